@@ -1,0 +1,19 @@
+"""vmmstream: run language models larger than the GPU memory you give them.
+
+Weights that fit stay resident; the rest stream from pinned host memory through a no-spill VMM
+pool whose virtual addresses never move, so the decode step is captured once as a CUDA graph.
+"""
+
+from .errors import (  # noqa: F401
+    BudgetError,
+    CapacityError,
+    CaptureError,
+    ConfigError,
+    DriverError,
+    VmmstreamError,
+    WorkspaceShortfall,
+)
+
+__version__ = "0.1.0"
+
+from .budget import parse_budget  # noqa: E402,F401

@@ -1,0 +1,82 @@
+"""The ``vmmstream`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import __version__
+from .budget import format_bytes, parse_budget
+from .config import ALL as ALL_VARIABLES
+from .config import BUDGET, LEGACY_ALLOCATOR
+from .errors import VmmstreamError
+
+
+def _info(args) -> int:
+    from . import selfcheck
+    from .driver import open_driver, resolve_backend
+    backend = resolve_backend(args.backend)
+    driver = open_driver(backend)
+    try:
+        info = driver.device_info()
+        budget_value = args.budget if args.budget is not None else (BUDGET.get() if BUDGET.is_set() else "auto")
+        budget = parse_budget(budget_value, info.total_bytes, device_free=info.free_bytes)
+    finally:
+        driver.close()
+    check = selfcheck.run(backend)
+    out = {
+        "vmmstream": __version__,
+        "backend": info.backend,
+        "device": info.name,
+        "compute_capability": ".".join(map(str, info.compute_capability)) if info.compute_capability else None,
+        "driver": info.driver_version,
+        "total_bytes": info.total_bytes,
+        "free_bytes": info.free_bytes,
+        "granularity": info.granularity,
+        "budget": {"value": str(budget_value), "bytes": budget},
+        "allocator": "legacy" if LEGACY_ALLOCATOR.get() else "vmm",
+        "selfcheck": check,
+        "environment": {v.name: v.help for v in ALL_VARIABLES},
+    }
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"vmmstream {__version__}")
+        print(f"backend      {out['backend']}")
+        print(f"device       {out['device']}" + (f"  (sm_{info.compute_capability[0]}{info.compute_capability[1]})"
+                                                  if info.compute_capability else ""))
+        print(f"driver       {out['driver']}")
+        print(f"memory       {format_bytes(info.free_bytes)} free of {format_bytes(info.total_bytes)}")
+        print(f"granularity  {format_bytes(info.granularity)}")
+        print(f"budget       {format_bytes(budget)}  (from {budget_value!r})")
+        print(f"allocator    {out['allocator']}")
+        print("pool self-check: " + ("ok" if check["ok"] else "FAILED"))
+        for name, ok in check["checks"].items():
+            print(f"  [{'x' if ok else ' '}] {name}")
+    return 0 if check["ok"] else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vmmstream", description="Run LLMs larger than your GPU budget.")
+    p.add_argument("--version", action="version", version=f"vmmstream {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="backend, device, driver, granularity, budget and a pool self-check")
+    info.add_argument("--json", action="store_true", help="print JSON")
+    info.add_argument("--budget", default=None, help="budget to resolve (default: VMMSTREAM_BUDGET or auto)")
+    info.add_argument("--backend", default=None, choices=("cuda", "host", "auto"))
+    info.set_defaults(fn=_info)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except VmmstreamError as exc:
+        print(f"vmmstream: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
