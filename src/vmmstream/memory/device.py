@@ -140,8 +140,9 @@ class DeviceMemory:
         self._require_unbacked(block, "back")
         self.fences.collect()
         with Transaction() as tx:
+            granted_before = block.lease.granted
             h = self.pool.acquire(block.lease, block.size)
-            tx.on_undo(self.pool.give_back, block.lease, h)
+            tx.on_undo(self.pool.undo_acquire, block.lease, h, granted_before)
             self._map(block, h, tx)
         block.handle, block.aliased, block.state = h, False, "own"
 
@@ -185,7 +186,6 @@ class DeviceMemory:
             raise VmmstreamError(f"unmap: {block!r} is still aliased elsewhere; unmap the aliases first")
         h, prev = block.handle, block.state
         own = prev == "own"
-        block.state = "releasing"
 
         def finish():
             try:
@@ -199,7 +199,23 @@ class DeviceMemory:
             if own:
                 self.pool.give_back(block.lease, h)
 
-        self.fences.defer(self.streams if streams is None else streams, finish)
+        block.state = "releasing"
+        self._defer_and_collect(block, prev, self.streams if streams is None else streams, finish)
+
+    def _defer_and_collect(self, block: Block, prev: str, streams, action) -> None:
+        """Queue a fenced action and run what is ready; if that fails while ours is still queued,
+        withdraw it and restore the block, so the failed call changed nothing (I3)."""
+        try:
+            ticket = self.fences.defer(streams, action)
+        except BaseException:
+            block.state = prev
+            raise
+        try:
+            self.fences.collect()
+        except BaseException:
+            if ticket is not None and self.fences.cancel(ticket):
+                block.state = prev
+            raise
 
     def free(self, block: Block, streams: list[Stream] | None = None) -> None:
         """Release the block: backing and VA, after the fences. Idempotent."""
@@ -223,11 +239,13 @@ class DeviceMemory:
                 self.blocks.discard(block)
                 block.state = "freed"
             block.state = "releasing"
-            self.fences.defer(fence, finish_plain)
+            self._defer_and_collect(block, "plain", fence, finish_plain)
             return
         if block.state in ("own", "alias"):
             self.unmap(block, fence)
-        self.fences.defer(fence, lambda: self._free_va(block))
+        # The VA goes back after the unmap; an unbacked block has nothing in flight to wait for.
+        self.fences.defer([], lambda: self._free_va(block))
+        self.fences.collect()
 
     def _free_va(self, block: Block) -> None:
         if block.state != "unbacked":   # the unmap ahead of us failed: the block keeps its VA

@@ -27,19 +27,36 @@ class FenceQueue:
     def _event(self):
         return self._spare_events.pop() if self._spare_events else self.driver.event_create()
 
-    def defer(self, streams: list[Stream], action) -> None:
-        """Run ``action()`` once work already queued on ``streams`` has finished."""
+    def defer(self, streams: list[Stream], action):
+        """Queue ``action()`` to run (from ``collect``) once work already queued on ``streams`` has finished.
+
+        Returns a ticket for ``cancel``, or None when parked because a capture is open.
+        """
         if GATE.open:
             self._parked.append((list(streams), action))
-            return
+            return None
         events = []
-        for s in streams:
-            ev = self._event()
-            self.driver.event_record(ev, s)
-            events.append(ev)
-        self._pending.append((events, action))
+        try:
+            for s in streams:
+                ev = self._event()
+                events.append(ev)
+                self.driver.event_record(ev, s)
+        except BaseException:
+            self._spare_events.extend(events)   # nothing queued; keep the events for next time
+            raise
+        entry = (events, action)
+        self._pending.append(entry)
         self.fenced += 1
-        self.collect()
+        return entry
+
+    def cancel(self, entry) -> bool:
+        """Withdraw a deferred action that has not run yet; True if it was still pending."""
+        for i, e in enumerate(self._pending):
+            if e is entry:
+                del self._pending[i]
+                self._spare_events.extend(entry[0])
+                return True
+        return False
 
     def park(self, action) -> None:
         """Run ``action()`` once no capture is open (from ``collect``); used by finalizers."""
@@ -52,6 +69,9 @@ class FenceQueue:
         parked, self._parked = self._parked, []
         for streams, action in parked:
             self.defer(streams, action)
+        return self._run_ready()
+
+    def _run_ready(self) -> int:
         ran = 0
         while self._pending:
             events, action = self._pending[0]

@@ -8,10 +8,12 @@ and the authority asks the pool to trim before refusing a grant.
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..driver import Driver
+from ..errors import DriverError
 from .authority import Authority, Lease
 from .transaction import Transaction
 
@@ -20,6 +22,7 @@ from .transaction import Transaction
 class PhysicalHandle:
     handle: int
     size: int
+    fresh: bool = False   # created by the acquire that returned it (rollback releases, not retains)
 
 
 class PhysicalPool:
@@ -34,6 +37,7 @@ class PhysicalPool:
         self.created = 0
         self.released = 0
         self.reused = 0
+        self.release_failures = 0
         authority._trim_retained = self.trim
 
     def round_up(self, nbytes: int) -> int:
@@ -56,6 +60,7 @@ class PhysicalPool:
                 del self._idle[hid]
                 self.authority.take_from_retained(lease, size)
                 self.reused += 1
+                h.fresh = False
                 return h
         with Transaction() as tx:
             granted_before = lease.granted
@@ -63,11 +68,24 @@ class PhysicalPool:
             tx.on_undo(self.authority.restore_grant, lease, granted_before)
             raw = self.driver.mem_create(size)
             tx.on_undo(self.driver.mem_release, raw)
-            h = PhysicalHandle(raw, size)
+            h = PhysicalHandle(raw, size, fresh=True)
             self.authority.commit(lease, size)
         self.live[raw] = h
         self.created += 1
         return h
+
+    def undo_acquire(self, lease: Lease, h: PhysicalHandle, granted_before: int) -> None:
+        """Roll an ``acquire`` back exactly: a created handle is released, a reused one goes back idle."""
+        if h.fresh:
+            self.driver.mem_release(h.handle)
+            del self.live[h.handle]
+            self.released += 1
+            self.authority.uncommit(lease, h.size)
+        else:
+            self.authority.move_to_retained(lease, h.size)
+            self._idle[h.handle] = h
+            self.reused -= 1
+        self.authority.restore_grant(lease, granted_before)
 
     def give_back(self, lease: Lease, h: PhysicalHandle) -> None:
         """The holder is done with ``h`` (already unmapped everywhere): retain it, then trim past the bound.
@@ -78,7 +96,14 @@ class PhysicalPool:
         self._idle[h.handle] = h
         excess = self.retained_bytes - self.max_retained
         if excess > 0:
-            self.trim(excess)
+            try:
+                self.trim(excess)
+            except DriverError as exc:
+                # The caller's release succeeded; the idle handle stays owned and charged (I1, I2 hold)
+                # and the next trim or close() retries it.
+                self.release_failures += 1
+                warnings.warn(f"vmmstream: releasing an idle handle failed, kept for retry: {exc}",
+                              RuntimeWarning, stacklevel=2)
 
     def _release(self, h: PhysicalHandle) -> None:
         self.driver.mem_release(h.handle)

@@ -27,7 +27,8 @@ def snapshot(mem) -> dict:
         "by_role": a.by_role(),
         "by_holder": holders,
         "leases": [{"holder": l.holder, "role": l.role, "committed": l.committed, "granted": l.granted,
-                    "peak": l.peak} for l in a.leases.values()],
+                    "peak": l.peak} for l in a.leases.values()
+                   if l.granted or l.committed or l.peak],   # an untouched lease is no lease
         "handles": {
             "created": pool.created if pool else 0,
             "released": pool.released if pool else 0,
