@@ -1,30 +1,12 @@
-"""Test tiers: ``unit`` (no GPU; the host backend makes real mappings), ``sim`` (Numba simulator),
-``gpu`` (a CUDA device; a selected gpu test without one FAILS, it never skips)."""
+"""Fixtures shared by the test tiers (the tiers themselves are defined in the root conftest.py)."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
 from vmmstream.errors import DriverError
 
 GRAN = 64 << 10   # a small host granularity keeps the host tests light; the logic is size-independent
-
-
-def pytest_collection_modifyitems(config, items):
-    # A test with no tier marker is a unit test.
-    for item in items:
-        if not any(item.get_closest_marker(m) for m in ("unit", "sim", "gpu")):
-            item.add_marker(pytest.mark.unit)
-
-
-def pytest_runtest_setup(item):
-    if item.get_closest_marker("gpu"):
-        from vmmstream.driver.cuda import cuda_usable
-        ok, why = cuda_usable()
-        if not ok:
-            pytest.fail(f"gpu test selected but no usable CUDA device: {why}", pytrace=False)
 
 
 @pytest.fixture
@@ -66,15 +48,3 @@ class FailAt:
 @pytest.fixture
 def fail_at():
     return FailAt
-
-
-def pytest_configure(config):
-    # Property tests: CI asks for at least 2,000 examples (HYPOTHESIS_PROFILE=ci).
-    try:
-        from hypothesis import HealthCheck, settings
-    except ImportError:  # pragma: no cover
-        return
-    settings.register_profile("ci", max_examples=2000, deadline=None,
-                              suppress_health_check=[HealthCheck.too_slow])
-    settings.register_profile("dev", max_examples=200, deadline=None)
-    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
