@@ -32,3 +32,10 @@ def pytest_configure(config):
                               suppress_health_check=[HealthCheck.too_slow])
     settings.register_profile("dev", max_examples=200, deadline=None)
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+def pytest_sessionstart(session):
+    # The simulator replaces numba.cuda process-wide; a gpu test under it would test nothing real.
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" and "gpu" in (session.config.option.markexpr or "") \
+            and "not gpu" not in (session.config.option.markexpr or ""):
+        raise pytest.UsageError("NUMBA_ENABLE_CUDASIM=1 is set: the gpu tier must run without the simulator")
