@@ -212,3 +212,27 @@ print(json.dumps({"held": snap1["by_holder"].get("numba", 0), "after": snap2["by
     assert r["held"] >= (3 << 20) + 4000        # both Numba allocations are in the ledger, role activations
     assert r["after"] == 0                       # and freed (fenced) once Numba dropped them
     assert r["total"] == r["budget"]             # Numba sees the budget as the device's size
+
+
+def test_legacy_allocator_on_the_gpu(driver):
+    """VMMSTREAM_LEGACY_ALLOCATOR=1: plain cuMemAlloc under the same ledger and budget; no VMM call."""
+    from vmmstream.memory import DeviceMemory
+    from vmmstream.errors import VmmstreamError
+    m = DeviceMemory(driver, 32 * MiB, legacy=True)
+    s = driver.stream_create("legacy")
+    vmm_before = driver.vmm_call_count()
+    b = m.allocate(5 * MiB, role="weights_resident", holder="t")
+    data = np.arange(5 * MiB, dtype=np.uint64).astype(np.uint8)
+    driver.memcpy_htod_async(b.va, data.ctypes.data, data.nbytes, s)
+    out = np.empty_like(data)
+    driver.memcpy_dtoh_async(out.ctypes.data, b.va, out.nbytes, s)
+    driver.stream_synchronize(s)
+    assert np.array_equal(out, data)
+    with pytest.raises(CapacityError, match="VMMSTREAM_LEGACY_ALLOCATOR"):
+        m.allocate(30 * MiB, role="weights_resident", holder="t")
+    with pytest.raises(VmmstreamError):
+        m.reserve(MiB, role="weight_slots", holder="t")
+    snap = m.snapshot()
+    assert snap["allocator"] == "legacy" and driver.vmm_call_count() == vmm_before
+    m.close()
+    driver.stream_destroy(s)
