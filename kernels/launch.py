@@ -1,0 +1,285 @@
+"""The launch adapter of the dense kernels: streams, alignment checks, and the few device primitives
+that need a simulator twin (16-byte vector loads/stores, warp shuffles, a float bit cast).
+
+Host side:
+- ``as_stream(stream)``: what a launch passes as the numba stream (``None`` -> numba's default stream).
+- ``vec8_ok(*arrays)``: may a kernel move these bf16 arrays 8 elements (16 bytes) at a time?
+- ``check_workspace(...)``: the workspace contract (invariant I7) for a view that may be ``None``.
+
+Device side (identical call sites compiled and simulated):
+- ``ld8`` / ``ld8_ro`` / ``st8``: 8 bf16 at once as four uint32 words (word w = elements 2w | 2w+1 << 16).
+  Compiled, they are one ``ld.global[.nc].v4.u32`` / ``st.global.v4.u32``; the caller guarantees 16-byte
+  alignment (``vec8_ok``). ``ld8_ro`` marks the load invariant (read-only cache path): use it only for
+  memory that no thread writes during the kernel (weights, inputs that are not also outputs).
+- ``warp_sum`` / ``warp_argmax`` / ``warp_incl_scan`` (and ``block_sum``): full-warp shuffle reductions
+  and scans (int32/int64/float values only: that is what ``shfl.sync`` takes). The simulator has no
+  warp shuffles, so their twins exchange through a block-wide barrier; every thread of the block must
+  therefore call them uniformly (the kernels here never return early before a reduction, which a
+  full-mask shuffle requires anyway).
+- Every device helper is IR-inlined (``inline="always"``): a separately compiled device function
+  asks the driver for the current device, which breaks ``compile_ptx`` on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from numba import config, cuda
+
+from .dtypes import dev_bf16_to_f32, dev_f32_to_bf16
+from .workspace import check_view
+
+SIM = bool(config.ENABLE_CUDASIM)
+FULL_MASK = 0xFFFFFFFF
+
+
+# ----------------------------------------------------------------------------------------------- host
+
+_external = {}
+
+
+def as_stream(stream):
+    """Numba stream for a launch: ``None`` -> default stream (0); a numba stream passes through; an
+    int handle or an object with ``cuda_stream`` (a torch stream) is wrapped once as an external stream."""
+    if stream is None:
+        return 0
+    handle = getattr(stream, "cuda_stream", stream)
+    if isinstance(handle, int):
+        if handle == 0:
+            return 0
+        s = _external.get(handle)
+        if s is None:
+            s = _external[handle] = cuda.external_stream(handle)
+        return s
+    return stream
+
+
+def data_ptr(a) -> int:
+    cai = getattr(a, "__cuda_array_interface__", None)
+    if cai is not None:
+        return int(cai["data"][0])
+    return int(a.__array_interface__["data"][0])  # simulator: a FakeCUDAArray wraps an ndarray
+
+
+def vec8_ok(*arrays) -> bool:
+    """True when every array (bf16 as uint16) has a contiguous last axis whose length is a multiple of
+    8, its other strides and its base address all multiples of 16 bytes: then every 8-element group
+    starting at a multiple of 8 is one aligned 16-byte load."""
+    for a in arrays:
+        shape, strides = tuple(a.shape), tuple(a.strides)  # (the simulator's shape has no [-1])
+        if shape[-1] % 8 or strides[-1] != a.dtype.itemsize:
+            return False
+        if any(s % 16 for s in strides[:-1]) or data_ptr(a) % 16:
+            return False
+    return True
+
+
+def nbytes(view) -> int:
+    return 0 if view is None else int(view.nbytes)
+
+
+def check_workspace(kernel: str, workspace, needed: int) -> None:
+    """Invariant I7: raise WorkspaceShortfall on a short (or missing) view; never allocate instead."""
+    check_view(kernel, nbytes(workspace), int(needed))
+
+
+def check_threads(threads: int) -> int:
+    # Full-mask warp shuffles need whole warps.
+    if threads <= 0 or threads % 32 or threads > 1024:
+        raise ValueError(f"threads per block must be a multiple of 32 in [32, 1024], got {threads}")
+    return int(threads)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-int(a) // int(b))
+
+
+# --------------------------------------------------------------------------------------------- device
+
+if SIM:
+    def _flat(arr, idx):
+        """(array, index) -> (numpy array, base tuple, last index) for a run along the last axis."""
+        a = arr._ary if hasattr(arr, "_ary") else arr
+        if isinstance(idx, tuple):
+            return a, tuple(int(i) for i in idx[:-1]), int(idx[-1])
+        return a, (), int(idx)
+
+    def _ld8(arr, idx):
+        a, base, j = _flat(arr, idx)
+        v = np.asarray(a[base + (slice(j, j + 8),)], dtype=np.uint16).astype(np.uint32)
+        if v.shape[0] != 8:
+            raise IndexError("vector load past the end of the last axis")
+        w = v[0::2] | (v[1::2] << np.uint32(16))
+        return np.uint32(w[0]), np.uint32(w[1]), np.uint32(w[2]), np.uint32(w[3])
+
+    ld8 = ld8_ro = _ld8
+
+    def st8(arr, idx, w0, w1, w2, w3):
+        a, base, j = _flat(arr, idx)
+        w = np.array([w0, w1, w2, w3], dtype=np.uint32)
+        v = np.empty(8, dtype=np.uint16)
+        v[0::2] = (w & np.uint32(0xFFFF)).astype(np.uint16)
+        v[1::2] = (w >> np.uint32(16)).astype(np.uint16)
+        if a[base + (slice(j, j + 8),)].shape[0] != 8:
+            raise IndexError("vector store past the end of the last axis")
+        a[base + (slice(j, j + 8),)] = v
+
+    def _warp_values(value):
+        """Every lane's value, in lane order (one publish + two barriers stand in for a whole butterfly).
+        Uses the simulator's BlockThread internals (thread_id, _manager, syncthreads) of numba-cuda 0.30."""
+        th = threading.current_thread()
+        box = th._manager.__dict__.setdefault("_vmm_warp", {})
+        tid = th.thread_id
+        box[tid] = value
+        th.syncthreads()
+        base = tid - tid % 32
+        vals = [box[t] for t in range(base, base + 32) if t in box]
+        th.syncthreads()
+        return vals
+
+    def warp_sum(v):
+        t = type(v)
+        return t(sum(_warp_values(v), t(0)))
+
+    def warp_argmax(v, i):
+        best_v, best_i = v, i
+        for ov, oi in _warp_values((v, i)):
+            if ov > best_v or (ov == best_v and oi < best_i):
+                best_v, best_i = ov, oi
+        return best_v, best_i
+
+    def warp_incl_scan(v):
+        """Inclusive prefix sum over lanes 0..lane."""
+        th = threading.current_thread()
+        vals = _warp_values(v)
+        t = type(v)
+        return t(sum(vals[: th.thread_id % 32 + 1], t(0)))
+
+    def f32_as_u32(f):
+        return np.float32(f).view(np.uint32)
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils, libdevice
+    from numba.cuda.api_util import normalize_indices
+    from numba.cuda.extending import intrinsic
+
+    _V4 = ir.VectorType(ir.IntType(32), 4)
+
+    def _elem_ptr(context, builder, aryty, ary, indty, inds):
+        indty, indices = normalize_indices(context, builder, indty, inds, aryty, aryty.dtype)
+        a = context.make_array(aryty)(context, builder, value=ary)
+        return cgutils.get_item_pointer(context, builder, aryty, a, indices, wraparound=False)
+
+    def _make_ld8(invariant: bool):
+        @intrinsic
+        def impl(typingctx, arr, idx):
+            sig = types.UniTuple(types.uint32, 4)(arr, idx)
+
+            def codegen(context, builder, sig, args):
+                p = _elem_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+                v = builder.load(builder.bitcast(p, _V4.as_pointer()), align=16)
+                if invariant:  # lets NVPTX emit ld.global.nc (read-only data cache)
+                    v.set_metadata("invariant.load", builder.module.add_metadata([]))
+                words = [builder.extract_element(v, ir.Constant(ir.IntType(32), i)) for i in range(4)]
+                return context.make_tuple(builder, sig.return_type, words)
+
+            return sig, codegen
+
+        return impl
+
+    ld8 = _make_ld8(False)
+    ld8_ro = _make_ld8(True)
+
+    @intrinsic
+    def st8(typingctx, arr, idx, w0, w1, w2, w3):
+        sig = types.void(arr, idx, w0, w1, w2, w3)
+
+        def codegen(context, builder, sig, args):
+            p = _elem_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            v = ir.Constant(_V4, ir.Undefined)
+            for i in range(4):
+                w = context.cast(builder, args[2 + i], sig.args[2 + i], types.uint32)
+                v = builder.insert_element(v, w, ir.Constant(ir.IntType(32), i))
+            builder.store(v, builder.bitcast(p, _V4.as_pointer()), align=16)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline="always")
+    def shfl_xor(v, m):
+        return cuda.shfl_xor_sync(FULL_MASK, v, m)
+
+    @cuda.jit(device=True, inline="always")
+    def f32_as_u32(f):
+        return np.uint32(libdevice.float_as_int(f))
+
+    @cuda.jit(device=True, inline="always")
+    def warp_sum(v):
+        """Sum over the 32 lanes, result in every lane."""
+        m = 16
+        while m > 0:
+            v += shfl_xor(v, m)
+            m //= 2
+        return v
+
+    @cuda.jit(device=True, inline="always")
+    def warp_argmax(v, i):
+        """(max, its smallest index) over the warp, in every lane: ties go to the lower index, like np.argmax."""
+        m = 16
+        while m > 0:
+            ov = shfl_xor(v, m)
+            oi = shfl_xor(i, m)
+            if ov > v or (ov == v and oi < i):
+                v = ov
+                i = oi
+            m //= 2
+        return v, i
+
+    @cuda.jit(device=True, inline="always")
+    def warp_incl_scan(v):
+        """Inclusive prefix sum over lanes 0..lane (Hillis-Steele with shfl.up)."""
+        lane = cuda.threadIdx.x % 32
+        d = 1
+        while d < 32:
+            u = cuda.shfl_up_sync(FULL_MASK, v, d)
+            if lane >= d:
+                v += u
+            d *= 2
+        return v
+
+
+@cuda.jit(device=True, inline="always")
+def lo_f32(w):
+    """Low bf16 of a packed word, as fp32."""
+    return dev_bf16_to_f32(np.uint32(w) & np.uint32(0xFFFF))
+
+
+@cuda.jit(device=True, inline="always")
+def hi_f32(w):
+    """High bf16 of a packed word, as fp32."""
+    return dev_bf16_to_f32(np.uint32(w) >> np.uint32(16))
+
+
+@cuda.jit(device=True, inline="always")
+def pack2(a, b):
+    """Two fp32 -> one word holding bf16(a) | bf16(b) << 16 (round to nearest even)."""
+    return np.uint32(dev_f32_to_bf16(a)) | (np.uint32(dev_f32_to_bf16(b)) << np.uint32(16))
+
+
+@cuda.jit(device=True, inline="always")
+def block_sum(v, scratch):
+    """Sum over the block (threads a multiple of 32), result in every thread. ``scratch``: shared fp32
+    with at least one slot per warp; it is free again when this returns."""
+    v = warp_sum(v)
+    tid = cuda.threadIdx.x
+    if tid % 32 == 0:
+        scratch[tid // 32] = v
+    cuda.syncthreads()
+    t = scratch[0]
+    for w in range(1, cuda.blockDim.x // 32):
+        t += scratch[w]
+    cuda.syncthreads()
+    return t

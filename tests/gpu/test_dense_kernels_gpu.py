@@ -1,0 +1,245 @@
+"""Dense decoder kernels on a real GPU at model shapes (hidden 4096, intermediate 14336, vocab 32000,
+up to 2048 tokens), on a non-default stream, against their NumPy references. Fails (never skips)
+without a GPU (root conftest).
+
+Tolerances: a bf16 output may differ from the unrounded fp64 reference by one rounding (2⁻⁸·|ref|)
+plus the fp32 accumulation slack, taken as 3e-5 · Σ|aᵢ·bᵢ| for dot products. Bitwise ops (gather,
+residual add) must match exactly. A captured graph replays the decode tail and must match the host chain.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vmmstream.kernels import elementwise, embedding, gemm, gemv, norm, rope, sampling, scalars
+from vmmstream.kernels.dtypes import bf16_to_f32, f32_to_bf16
+
+pytestmark = pytest.mark.gpu
+
+H, I, V, HQ, HKV, D = 4096, 14336, 32000, 32, 8, 128
+HALF_ULP = 2.0 ** -8
+
+
+@pytest.fixture(scope="module")
+def stream():
+    from numba import cuda
+    return cuda.stream()
+
+
+@pytest.fixture(scope="module")
+def rng():
+    return np.random.default_rng(2026)
+
+
+def bf16(rng, shape, scale=1.0):
+    return f32_to_bf16(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale))
+
+
+def to_dev(a, stream):
+    from numba import cuda
+    return cuda.to_device(np.ascontiguousarray(a), stream=stream)
+
+
+def get(d, stream):
+    out = d.copy_to_host(stream=stream)
+    stream.synchronize()
+    return out
+
+
+def assert_bf16_close(got_bits, ref, slack):
+    got = bf16_to_f32(got_bits).astype(np.float64)
+    ref = np.asarray(ref, np.float64)
+    excess = np.abs(got - ref) - (2 * HALF_ULP * np.abs(ref) + slack)
+    assert np.all(excess <= 0), f"max excess {excess.max():.3g}"
+
+
+def dot_slack(x, w):
+    return 3e-5 * (np.abs(bf16_to_f32(x)).astype(np.float64) @ np.abs(bf16_to_f32(w)).astype(np.float64).T) + 1e-6
+
+
+@pytest.mark.parametrize("n,k,b,bias,out_dtype", [
+    (I, H, 1, False, np.uint16),        # gate/up projection
+    (H, I, 1, False, np.uint16),        # down projection
+    (H, H, 4, True, np.uint16),         # batch decode, Qwen2-style bias
+    (V, H, 2, False, np.float32),       # lm_head, fp32 logits
+    (37, 67, 1, False, np.uint16),      # scalar fallback
+])
+def test_gemv(stream, rng, n, k, b, bias, out_dtype):
+    from numba import cuda
+    w, x = bf16(rng, (n, k), 0.05), bf16(rng, (b, k))
+    bb = bf16(rng, n) if bias else None
+    out = cuda.device_array((b, n), out_dtype, stream=stream)
+    gemv.gemv(to_dev(w, stream), to_dev(x, stream), out, bias=None if bb is None else to_dev(bb, stream),
+              stream=stream)
+    ref, slack = gemv.reference(w, x, bb), dot_slack(x, w)
+    got = get(out, stream)
+    if out_dtype == np.uint16:
+        assert_bf16_close(got, ref, slack)
+    else:
+        assert np.all(np.abs(got - ref) <= slack)
+
+
+def test_gemv_unaligned_view_takes_scalar_path(stream, rng):
+    w, x = bf16(rng, (64, 257)), bf16(rng, (1, 257))
+    dw, dx = to_dev(w, stream), to_dev(x, stream)
+    from numba import cuda
+    out = cuda.device_array((1, 64), np.uint16, stream=stream)
+    gemv.gemv(dw[:, 1:], dx[:, 1:], out, stream=stream)      # views 2 bytes off 16-byte alignment
+    assert_bf16_close(get(out, stream), gemv.reference(w[:, 1:], x[:, 1:]), dot_slack(x[:, 1:], w[:, 1:]))
+
+
+@pytest.mark.parametrize("m,n,k,bias,tm", [(2048, H, H, False, 4), (77, I, H, True, 8), (333, 96, 200, False, 4)])
+def test_gemm(stream, rng, m, n, k, bias, tm):
+    from numba import cuda
+    x, w = bf16(rng, (m, k)), bf16(rng, (n, k), 0.05)
+    bb = bf16(rng, n) if bias else None
+    out = cuda.device_array((m, n), np.uint16, stream=stream)
+    gemm.gemm(to_dev(x, stream), to_dev(w, stream), out, bias=None if bb is None else to_dev(bb, stream),
+              stream=stream, tm=tm)
+    got = get(out, stream)
+    rows = np.unique(np.concatenate([rng.integers(0, m, 48), [0, m - 1]]))   # fp64 reference on a sample
+    assert_bf16_close(got[rows], gemm.reference(x[rows], w, bb), dot_slack(x[rows], w))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_rmsnorm(stream, rng, fused):
+    from numba import cuda
+    t = 2048
+    x, w = bf16(rng, (t, H), 2.0), bf16(rng, H)
+    r = bf16(rng, (t, H)) if fused else None
+    dr = to_dev(r, stream) if fused else None
+    out = cuda.device_array((t, H), np.uint16, stream=stream)
+    norm.rmsnorm(to_dev(x, stream), to_dev(w, stream), out, eps=1e-5, residual=dr, stream=stream)
+    ref = norm.reference(x, w, 1e-5, residual=r)
+    if fused:
+        ref, new_res = ref
+        np.testing.assert_array_equal(get(dr, stream), new_res)
+    got, want = bf16_to_f32(get(out, stream)), bf16_to_f32(ref)
+    assert np.all(np.abs(got - want) <= 2 ** -7 * np.abs(want) + 1e-6)     # ≤ 1 bf16 ulp
+
+
+def test_rope_llama3(stream, rng):
+    t = 2048
+    q, k = bf16(rng, (t, HQ, D)), bf16(rng, (t, HKV, D))
+    pos = np.concatenate([np.arange(t - 8), rng.integers(0, 131072, 8)]).astype(np.int32)
+    inv = rope.rope_inv_freq(D, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    dq, dk = to_dev(q, stream), to_dev(k, stream)
+    rope.apply_rope(dq, dk, to_dev(pos, stream), to_dev(inv, stream), stream=stream)
+    for got, x in ((get(dq, stream), q), (get(dk, stream), k)):
+        want = bf16_to_f32(rope.reference(x, pos, inv))
+        # device sincosf vs NumPy: a few fp32 ulps of the angle's cos/sin, then one bf16 rounding
+        assert np.all(np.abs(bf16_to_f32(got) - want) <= 2 ** -7 * np.abs(want) + 1e-4)
+
+
+def test_silu_mul_fused_and_residual_add(stream, rng):
+    from numba import cuda
+    t = 2048
+    gu = bf16(rng, (t, 2 * I), 3.0)
+    out = cuda.device_array((t, I), np.uint16, stream=stream)
+    elementwise.silu_mul_fused(to_dev(gu, stream), out, stream=stream)
+    g = bf16_to_f32(gu[:, :I]).astype(np.float64)
+    assert_bf16_close(get(out, stream), g / (1 + np.exp(-g)) * bf16_to_f32(gu[:, I:]), 1e-6)
+    a, b = bf16(rng, (t, H)), bf16(rng, (t, H))
+    da = to_dev(a, stream)
+    elementwise.residual_add(da, to_dev(b, stream), da, stream=stream)
+    np.testing.assert_array_equal(get(da, stream), elementwise.reference_residual_add(a, b))
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_embedding_device_and_host_mapped(stream, rng, mapped):
+    from numba import cuda
+    table = bf16(rng, (V, H))
+    if mapped:   # pinned host memory the kernel reads through its device pointer
+        dt = cuda.mapped_array((V, H), np.uint16)
+        dt[:] = table
+    else:
+        dt = to_dev(table, stream)
+    ids = rng.integers(0, V, 64).astype(np.int32)
+    out = cuda.device_array((64, H), np.uint16, stream=stream)
+    embedding.embedding(dt, to_dev(ids, stream), out, stream=stream)
+    np.testing.assert_array_equal(get(out, stream), embedding.reference(table, ids))
+
+
+@pytest.mark.parametrize("vocab,as_bf16", [(V, False), (V, True), (152064, False)])
+def test_argmax(stream, rng, vocab, as_bf16):
+    from numba import cuda
+    x = rng.standard_normal((4, vocab), dtype=np.float32)
+    x[2, 17] = x[2, vocab - 3] = 9.0          # tie: lowest index
+    logits = f32_to_bf16(x) if as_bf16 else x
+    ws = cuda.device_array(sampling.workspace_requirement(4, vocab).bytes, np.uint8, stream=stream)
+    out = cuda.device_array(4, np.int32, stream=stream)
+    sampling.argmax(to_dev(logits, stream), out, workspace=ws, stream=stream)
+    np.testing.assert_array_equal(get(out, stream), sampling.reference_argmax(logits))
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 1, 1.0), (0.8, 50, 1.0), (1.0, 0, 0.9),
+                                                     (0.7, 40, 0.8), (0.0, 0, 1.0)])
+def test_sample(stream, rng, temperature, top_k, top_p):
+    from numba import cuda
+    x = rng.standard_normal((4, V), dtype=np.float32) * 2
+    keep = sampling.reference_keep_mask(x, temperature, top_k, top_p)
+    dl, out = to_dev(x, stream), cuda.device_array(4, np.int32, stream=stream)
+    st = to_dev(sampling.make_rng_state(99), stream)
+    mismatches = 0
+    for rep in range(8):
+        sampling.sample(dl, out, st, temperature=temperature, top_k=top_k, top_p=top_p, stream=stream)
+        ids = get(out, stream)
+        assert keep[np.arange(4), ids].all()
+        want = sampling.reference_sample(x, sampling.make_rng_state(99, rep), temperature, top_k, top_p)
+        mismatches += int((ids != want).sum())
+    # fp32 logs on device vs fp64 on the host: a near-tie may flip once in a long while
+    assert mismatches <= 1
+    assert get(st, stream)[1] == 8
+    if temperature <= 0 or top_k == 1:
+        np.testing.assert_array_equal(ids, sampling.reference_argmax(x))
+
+
+def test_captured_decode_tail_replays(stream, rng):
+    """embedding -> rmsnorm -> lm_head gemv -> argmax -> advance, captured once and replayed: every
+    launch is capture-safe (global capture mode rejects any allocation or synchronize) and the graph
+    reads the token and position it wrote on the previous replay."""
+    from cuda.bindings import driver as drv
+    from numba import cuda
+    vocab, hid, steps = 4096, 1024, 5
+    table, wn, head = bf16(rng, (vocab, hid)), bf16(rng, hid), bf16(rng, (vocab, hid), 0.05)
+    d_table, d_wn, d_head = (to_dev(a, stream) for a in (table, wn, head))
+    ids, nxt = to_dev(np.array([7], np.int32), stream), cuda.device_array(1, np.int32, stream=stream)
+    pos, lens = to_dev(np.array([3], np.int32), stream), to_dev(np.array([4], np.int32), stream)
+    toks = to_dev(np.full((1, 16), -1, np.int32), stream)
+    hbuf = cuda.device_array((1, hid), np.uint16, stream=stream)
+    logits = cuda.device_array((1, vocab), np.float32, stream=stream)
+    ws = cuda.device_array(sampling.workspace_requirement(1, vocab).bytes, np.uint8, stream=stream)
+
+    def step():
+        embedding.embedding(d_table, ids, hbuf, stream=stream)
+        norm.rmsnorm(hbuf, d_wn, hbuf, eps=1e-5, stream=stream)
+        gemv.gemv(d_head, hbuf, logits, stream=stream)
+        sampling.argmax(logits, nxt, workspace=ws, stream=stream)
+        scalars.advance(nxt, ids, pos, lens, out_tokens=toks, stream=stream)
+
+    step()                                   # warm-up: compile and load every kernel
+    stream.synchronize()
+    tok = 7
+    expect = []
+    for _ in range(steps + 1):               # host chain of the same ops
+        hn = norm.reference(table[tok][None, :], wn, 1e-5)
+        tok = int(np.argmax(gemv.reference(head, hn)[0]))
+        expect.append(tok)
+    h = drv.CUstream(int(stream))
+    (err,) = drv.cuStreamBeginCapture(h, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+    assert err == drv.CUresult.CUDA_SUCCESS
+    step()
+    err, graph = drv.cuStreamEndCapture(h)
+    assert err == drv.CUresult.CUDA_SUCCESS
+    err, gexec = drv.cuGraphInstantiate(graph, 0)
+    assert err == drv.CUresult.CUDA_SUCCESS
+    for _ in range(steps):
+        (err,) = drv.cuGraphLaunch(gexec, h)
+        assert err == drv.CUresult.CUDA_SUCCESS
+    stream.synchronize()
+    assert get(toks, stream)[0, 4:4 + steps + 1].tolist() == expect
+    assert get(pos, stream)[0] == 3 + steps + 1 and get(lens, stream)[0] == 4 + steps + 1
+    drv.cuGraphExecDestroy(gexec)
+    drv.cuGraphDestroy(graph)

@@ -1,0 +1,340 @@
+"""Dense decoder kernels in the Numba CUDA simulator, at small odd shapes, against their NumPy references.
+
+Both code paths of each kernel run: the 16-byte vector path (last axis a multiple of 8, aligned) and
+the scalar fallback (odd widths, unaligned halves). Blocks are kept few and small: the simulator runs
+one Python thread per CUDA thread.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from vmmstream.errors import WorkspaceShortfall
+from vmmstream.kernels import NONE, Lifetime
+from vmmstream.kernels import elementwise, embedding, gemm, gemv, norm, rope, sampling, scalars
+from vmmstream.kernels.dtypes import bf16_to_f32, f32_to_bf16
+from vmmstream.kernels.launch import vec8_ok
+
+pytestmark = pytest.mark.sim
+
+HALF_ULP = 2.0 ** -8   # bf16 round-to-nearest: |round(v) - v| <= 2^-8 |v|
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fast_thread_switching():
+    # One Python thread per CUDA thread plus a polling block manager: with the default 5 ms GIL switch
+    # interval every barrier costs milliseconds; a short interval makes the simulator ~5x faster.
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(5e-5)
+    yield
+    sys.setswitchinterval(old)
+
+
+def bf16(rng, shape, scale=1.0):
+    return f32_to_bf16((rng.standard_normal(shape) * scale).astype(np.float32))
+
+
+def dev(a):
+    return cuda.to_device(np.ascontiguousarray(a))
+
+
+def assert_bf16_close(got_bits, ref_f32, abs_tol):
+    """bf16 result vs an unrounded reference: one rounding plus the fp32 accumulation slack."""
+    got = bf16_to_f32(got_bits).astype(np.float64)
+    ref = np.asarray(ref_f32, np.float64)
+    err = np.abs(got - ref)
+    bound = 2 * HALF_ULP * np.abs(ref) + abs_tol
+    assert np.all(err <= bound), f"max excess {np.max(err - bound):.3g} (max err {err.max():.3g})"
+
+
+# ------------------------------------------------------------------------------------------- gemv
+
+@pytest.mark.parametrize("n,k,b,bias,out_dtype,threads,rpb", [
+    (37, 67, 1, False, np.uint16, 32, 4),     # scalar path (K % 8), bf16 out
+    (13, 136, 3, True, np.float32, 32, 2),    # vector path, batch tile 4 with a clamped row, bias, fp32
+    (9, 64, 2, True, np.uint16, 64, 4),       # vector path, batch tile 2, two warps
+])
+def test_gemv_matches_reference(n, k, b, bias, out_dtype, threads, rpb):
+    rng = np.random.default_rng(n * k + b)
+    w, x = bf16(rng, (n, k)), bf16(rng, (b, k))
+    bb = bf16(rng, n) if bias else None
+    out = cuda.device_array((b, n), out_dtype)
+    assert vec8_ok(dev(w), dev(x)) == (k % 8 == 0)
+    gemv.gemv(dev(w), dev(x), out, bias=None if bb is None else dev(bb),
+              config=gemv.GemvConfig(threads=threads, rows_per_block=rpb))
+    ref = gemv.reference(w, x, bb)
+    slack = 1e-5 * (np.abs(bf16_to_f32(x)) @ np.abs(bf16_to_f32(w)).T) + 1e-6
+    if out_dtype == np.uint16:
+        assert_bf16_close(out.copy_to_host(), ref, slack)
+    else:
+        assert np.all(np.abs(out.copy_to_host() - ref) <= slack)
+
+
+def test_gemv_vector_input():
+    rng = np.random.default_rng(1)
+    w, x = bf16(rng, (5, 16)), bf16(rng, 16)
+    out = cuda.device_array(5, np.uint16)
+    gemv.gemv(dev(w), dev(x), out, config=gemv.GemvConfig(threads=32, rows_per_block=8))
+    assert_bf16_close(out.copy_to_host(), gemv.reference(w, x), 1e-5)
+
+
+# ------------------------------------------------------------------------------------------- gemm
+
+@pytest.mark.parametrize("m,n,k,bias,out_dtype,tm", [
+    (5, 37, 67, True, np.uint16, 2),
+    (17, 9, 20, False, np.float32, 1),
+])
+def test_gemm_matches_reference(m, n, k, bias, out_dtype, tm):
+    rng = np.random.default_rng(m + n + k)
+    x, w = bf16(rng, (m, k)), bf16(rng, (n, k))
+    bb = bf16(rng, n) if bias else None
+    out = cuda.device_array((m, n), out_dtype)
+    gemm.gemm(dev(x), dev(w), out, bias=None if bb is None else dev(bb), tm=tm)
+    ref = gemm.reference(x, w, bb)
+    slack = 1e-5 * (np.abs(bf16_to_f32(x)) @ np.abs(bf16_to_f32(w)).T) + 1e-6
+    if out_dtype == np.uint16:
+        assert_bf16_close(out.copy_to_host(), ref, slack)
+    else:
+        assert np.all(np.abs(out.copy_to_host() - ref) <= slack)
+
+
+# ---------------------------------------------------------------------------------------- rmsnorm
+
+@pytest.mark.parametrize("t,h", [(3, 67), (2, 136)])
+@pytest.mark.parametrize("fused", [False, True])
+def test_rmsnorm_matches_reference(t, h, fused):
+    rng = np.random.default_rng(t * h)
+    x, w = bf16(rng, (t, h), 3.0), bf16(rng, h)
+    r = bf16(rng, (t, h)) if fused else None
+    dx, out = dev(x), cuda.device_array((t, h), np.uint16)
+    dr = dev(r) if fused else None
+    norm.rmsnorm(dx, dev(w), out, eps=1e-5, residual=dr, threads=32)
+    ref = norm.reference(x, w, 1e-5, residual=r)
+    if fused:
+        ref, new_res = ref
+        np.testing.assert_array_equal(dr.copy_to_host(), new_res)   # same rounded sum, bit for bit
+    # the reference is rounded too: allow one bf16 ulp between two roundings of nearly equal values
+    got, want = bf16_to_f32(out.copy_to_host()), bf16_to_f32(ref)
+    assert np.all(np.abs(got - want) <= 2 ** -7 * np.abs(want) + 1e-6)
+
+
+def test_rmsnorm_in_place():
+    rng = np.random.default_rng(5)
+    x, w = bf16(rng, (2, 40)), bf16(rng, 40)
+    dx = dev(x)
+    norm.rmsnorm(dx, dev(w), dx, eps=1e-6, threads=32)
+    want = bf16_to_f32(norm.reference(x, w, 1e-6))
+    assert np.all(np.abs(bf16_to_f32(dx.copy_to_host()) - want) <= 2 ** -7 * np.abs(want) + 1e-6)
+
+
+# ------------------------------------------------------------------------------------------- rope
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("d,scaling", [(16, LLAMA3), (10, None)])
+def test_rope_matches_reference(d, scaling):
+    rng = np.random.default_rng(d)
+    t, hq, hkv = 3, 4, 2
+    q, k = bf16(rng, (t, hq, d)), bf16(rng, (t, hkv, d))
+    pos = np.array([0, 7, 4099], np.int32)
+    inv = rope.rope_inv_freq(d, 500000.0 if scaling else 10000.0, scaling)
+    dq, dk = dev(q), dev(k)
+    rope.apply_rope(dq, dk, dev(pos), dev(inv), threads=32)
+    for got, x in ((dq, q), (dk, k)):
+        want = bf16_to_f32(rope.reference(x, pos, inv))
+        g = bf16_to_f32(got.copy_to_host())
+        scale = np.abs(bf16_to_f32(x)).max()
+        assert np.all(np.abs(g - want) <= 2 ** -7 * np.abs(want) + 1e-6 * scale)
+    np.testing.assert_array_equal(bf16_to_f32(dq.copy_to_host())[0], bf16_to_f32(q)[0])  # position 0
+
+
+def test_rope_inv_freq_semantics():
+    d, theta = 128, 500000.0
+    base = rope.rope_inv_freq(d, theta)
+    np.testing.assert_allclose(base, 1.0 / theta ** (np.arange(0, d, 2) / d), rtol=1e-6)
+    assert base.dtype == np.float32 and base.shape == (d // 2,)
+    scaled = rope.rope_inv_freq(d, theta, LLAMA3)
+    wavelen = 2 * np.pi / base
+    high = wavelen < 8192 / 4.0            # short wavelengths: unchanged
+    low = wavelen > 8192 / 1.0             # long wavelengths: divided by the factor
+    mid = ~high & ~low
+    np.testing.assert_array_equal(scaled[high], base[high])
+    np.testing.assert_allclose(scaled[low], base[low] / 8.0, rtol=1e-6)
+    assert mid.any() and np.all(scaled[mid] <= base[mid]) and np.all(scaled[mid] >= base[mid] / 8.0)
+    np.testing.assert_allclose(rope.rope_inv_freq(d, theta, {"type": "linear", "factor": 2.0}), base / 2)
+    with pytest.raises(NotImplementedError):
+        rope.rope_inv_freq(d, theta, {"rope_type": "yarn", "factor": 4.0})
+
+
+# ------------------------------------------------------------------------------------ elementwise
+
+@pytest.mark.parametrize("t,i", [(3, 67), (2, 24)])
+def test_silu_mul_and_residual_add(t, i):
+    rng = np.random.default_rng(t + i)
+    g, u = bf16(rng, (t, i), 4.0), bf16(rng, (t, i))
+    out = cuda.device_array((t, i), np.uint16)
+    elementwise.silu_mul(dev(g), dev(u), out, threads=32)
+    gf = bf16_to_f32(g).astype(np.float64)
+    want = gf / (1 + np.exp(-gf)) * bf16_to_f32(u)
+    assert_bf16_close(out.copy_to_host(), want, 1e-6)
+    da = dev(g)
+    elementwise.residual_add(da, dev(u), da, threads=32)          # in place
+    np.testing.assert_array_equal(da.copy_to_host(), elementwise.reference("residual_add", g, u))
+
+
+@pytest.mark.parametrize("i", [24, 12])   # halves 16-byte aligned (vector path) / not (scalar path)
+def test_silu_mul_fused_gate_up(i):
+    rng = np.random.default_rng(i)
+    gu = bf16(rng, (3, 2 * i), 3.0)
+    dgu, out = dev(gu), cuda.device_array((3, i), np.uint16)
+    assert vec8_ok(dgu[:, :i], dgu[:, i:]) == (i % 8 == 0)
+    elementwise.silu_mul_fused(dgu, out, threads=32)
+    np.testing.assert_array_equal(out.copy_to_host(),
+                                  elementwise.reference_silu_mul(gu[:, :i], gu[:, i:]))
+
+
+# -------------------------------------------------------------------------------------- embedding
+
+@pytest.mark.parametrize("h", [67, 24])
+def test_embedding_gathers_rows(h):
+    rng = np.random.default_rng(h)
+    table = bf16(rng, (11, h))
+    ids = np.array([3, 0, 10, 3, -1, 11], np.int32)
+    out = cuda.device_array((ids.size, h), np.uint16)
+    embedding.embedding(dev(table), dev(ids), out, threads=32)
+    got = out.copy_to_host()
+    np.testing.assert_array_equal(got[:4], embedding.reference(table, ids[:4]))
+    assert not got[4:].any()                              # out-of-range ids give zero rows
+    with pytest.raises(IndexError):
+        embedding.reference(table, ids)
+
+
+# --------------------------------------------------------------------------------------- sampling
+
+def logits_with_unique_max(rng, b, v):
+    x = rng.standard_normal((b, v)).astype(np.float32) * 3
+    x[np.arange(b), rng.integers(0, v, b)] = 20.0
+    return x
+
+
+@pytest.mark.parametrize("as_bf16", [False, True])
+def test_argmax_two_pass(as_bf16):
+    rng = np.random.default_rng(7)
+    b, v = 3, 1000
+    x = logits_with_unique_max(rng, b, v)
+    x[1, 200] = x[1, 900] = 50.0                            # a tie: the lower index wins
+    logits = f32_to_bf16(x) if as_bf16 else x
+    req = sampling.workspace_requirement(b, v, nsplit=4)
+    assert req.lifetime is Lifetime.SESSION
+    assert req.bytes == sampling._layout(b, v, 4)[1].total
+    ws = cuda.device_array(req.bytes, np.uint8)
+    out = cuda.device_array(b, np.int32)
+    sampling.argmax(dev(logits), out, workspace=ws, nsplit=4, threads=32)
+    np.testing.assert_array_equal(out.copy_to_host(), sampling.reference_argmax(logits))
+    assert out.copy_to_host()[1] == 200
+
+
+def test_argmax_workspace_shortfall():
+    b, v = 2, 5000
+    req = sampling.workspace_requirement(b, v)
+    out = cuda.device_array(b, np.int32)
+    logits = cuda.device_array((b, v), np.float32)
+    for ws in (None, cuda.device_array(req.bytes - 1, np.uint8)):
+        with pytest.raises(WorkspaceShortfall) as e:
+            sampling.argmax(logits, out, workspace=ws)
+        assert e.value.needed == req.bytes
+
+
+SAMPLE_CASES = [(1.0, 1, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (1.0, 20, 0.5), (0.0, 0, 1.0), (2.0, 0, 1.0)]
+
+
+def spread_logits(rng, v):
+    """Row 0: 50 strong candidates over a flat tail; row 1: flat. Sampling is spread over many tokens,
+    so a filter that kept too much would show up within a few draws."""
+    x = rng.standard_normal((2, v)).astype(np.float32)
+    x[0] *= 2.0
+    x[0, rng.permutation(v)[:50]] = np.linspace(4.0, 6.0, 50, dtype=np.float32)
+    return x
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", SAMPLE_CASES)
+def test_sample_properties(temperature, top_k, top_p):
+    rng = np.random.default_rng(11)
+    b, v = 2, 301
+    x = spread_logits(rng, v)
+    logits = f32_to_bf16(x) if top_k == 20 else x               # bf16 logits in one case
+    xf = bf16_to_f32(logits) if logits.dtype == np.uint16 else logits
+    keep = sampling.reference_keep_mask(xf, temperature, top_k, top_p)
+    if 0 < top_k < v and top_p == 1.0:
+        assert (keep.sum(axis=1) >= top_k).all() and (keep.sum(axis=1) <= top_k + 1).all()  # (+ ties)
+    state0 = sampling.make_rng_state(1234, offset=5)
+    dl, out, st = dev(logits), cuda.device_array(b, np.int32), dev(state0)
+    draws = []
+    for rep in range(4):
+        sampling.sample(dl, out, st, temperature=temperature, top_k=top_k, top_p=top_p, threads=32)
+        ids = out.copy_to_host()
+        state = st.copy_to_host()
+        assert state[1] == 5 + rep + 1 and state[2] == 0      # offset advanced once, counter reset
+        assert keep[np.arange(b), ids].all()                  # always inside the top-k / top-p set
+        want = sampling.reference_sample(xf, state0 + np.array([0, rep, 0, 0], np.uint64),
+                                         temperature, top_k, top_p)
+        np.testing.assert_array_equal(ids, want)              # same Philox stream, same Gumbel draw
+        draws.append(ids)
+    if temperature <= 0 or top_k == 1:
+        for ids in draws:
+            np.testing.assert_array_equal(ids, sampling.reference_argmax(xf))
+    elif top_k != 5:
+        assert len({tuple(d) for d in draws}) > 1             # replays really draw differently
+    # a fixed (seed, offset) reproduces the draw
+    st2 = dev(state0)
+    sampling.sample(dl, out, st2, temperature=temperature, top_k=top_k, top_p=top_p, threads=32)
+    np.testing.assert_array_equal(out.copy_to_host(), draws[0])
+
+
+def test_sample_needs_no_workspace():
+    assert sampling.workspace_requirement(4, 32000, route="sample").bytes == 0
+
+
+# ---------------------------------------------------------------------------------------- scalars
+
+@pytest.mark.parametrize("append", [False, True])
+def test_advance_decode_scalars(append):
+    nxt = np.array([5, 9, 2], np.int32)
+    inp = np.zeros(3, np.int32)
+    pos = np.array([10, 3, 7], np.int32)
+    lens = np.array([11, 4, 6], np.int32)          # the last sequence's buffer is full
+    toks = np.full((3, 6), -1, np.int32)
+    d = [dev(a) for a in (nxt, inp, pos, lens)]
+    dt = dev(toks) if append else None
+    scalars.advance(*d, out_tokens=dt)
+    want = scalars.reference(nxt, inp, pos, lens, toks if append else None)
+    for got, w in zip(d[1:] + ([dt] if append else []), want):
+        np.testing.assert_array_equal(got.copy_to_host(), w)
+    if append:
+        assert want[3][0].tolist() == [-1] * 6 and want[3][1, 4] == 9 and (want[3][2] == -1).all()
+
+
+# -------------------------------------------------------------------------------------- workspace
+
+@pytest.mark.parametrize("mod,args", [
+    (gemv, (14336, 4096)), (gemm, (2048, 4096, 4096)), (norm, (4096, 4096)), (rope, (1, 32, 8, 128)),
+    (elementwise, (1, 14336)), (embedding, (1, 4096)), (scalars, (1,)),
+])
+def test_no_scratch_kernels_declare_none(mod, args):
+    assert mod.workspace_requirement(*args) == NONE
+    assert mod.CAPTURE_SAFE is True
+    assert mod.SIGNATURES
+
+
+def test_none_workspace_launch_accepts_any_view():
+    rng = np.random.default_rng(3)
+    a = bf16(rng, (1, 8))
+    out = cuda.device_array((1, 8), np.uint16)
+    elementwise.residual_add(dev(a), dev(a), out, workspace=cuda.device_array(0, np.uint8), threads=32)
+    np.testing.assert_array_equal(out.copy_to_host(), elementwise.reference("residual_add", a, a))
