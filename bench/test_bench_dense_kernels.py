@@ -113,8 +113,9 @@ def record(benchmark, *, seconds, nbytes, ceiling_gbps=None, ratio=None, bar=Non
         info["ceiling GB/s"] = ceiling_gbps
     if ratio is not None:
         info["ratio"] = ratio
-        info["bar"] = bar
-        info["meets_bar"] = bool(ratio <= bar if op == "le" else ratio >= bar)
+        if bar is not None:      # some kernels have no bar of their own: report, don't judge
+            info["bar"] = bar
+            info["meets_bar"] = bool(ratio <= bar if op == "le" else ratio >= bar)
     info.update(more)
     benchmark.extra_info.update(info)
     return info

@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--budget", default=None, help="budget to resolve (default: VMMSTREAM_BUDGET or auto)")
     info.add_argument("--backend", default=None, choices=("cuda", "host", "auto"))
     info.set_defaults(fn=_info)
+    from .cli_model import add_subcommands; add_subcommands(sub)
     return p
 
 

@@ -1,0 +1,138 @@
+"""``vmmstream plan`` and ``vmmstream make-checkpoint``: the model and planning layers from the command line.
+
+Neither touches a device: ``plan`` reads ``config.json`` and the safetensors headers (no weight bytes),
+or a preset's shapes; ``make-checkpoint`` writes random bf16 weights in Hugging Face layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .budget import format_bytes, parse_budget
+from .config import BUDGET, LEGACY_ALLOCATOR
+from .errors import BudgetError, VmmstreamError
+
+_PROGRESS_MIN_BYTES = 64 << 20     # smaller checkpoints are written before a progress line would help
+
+
+def add_subcommands(subparsers) -> None:
+    """Register ``plan`` and ``make-checkpoint`` on the ``vmmstream`` parser's subparsers."""
+    from .model import PRESETS
+    plan = subparsers.add_parser(
+        "plan", help="print the memory plan for a checkpoint (or a preset) under a budget; reads no weights",
+        description="Plan where every device byte of MODEL goes under a budget. MODEL is a Hugging Face "
+                    f"checkpoint directory or a preset name ({', '.join(PRESETS)}). Reads only config.json "
+                    "and the safetensors headers.")
+    plan.add_argument("model", metavar="MODEL")
+    plan.add_argument("--budget", default=None,
+                      help="device memory budget in bytes, e.g. 2GiB (default: VMMSTREAM_BUDGET)")
+    plan.add_argument("--max-context", type=_positive, default=None,
+                      help="longest sequence the KV cache holds (default: min(4096, max_position_embeddings))")
+    plan.add_argument("--batch", type=_positive, default=None, help="sequences decoded together (default 1)")
+    plan.add_argument("--slots", type=_slots, default=None, help="weight slots K >= 2 (default 2)")
+    plan.add_argument("--granularity", default=None, help="VMM granularity (default 2MiB, the H200's)")
+    plan.add_argument("--h2d-gbps", type=float, default=None,
+                      help="host-to-device bandwidth in GB/s, for the tokens/s bound (H200 pinned: 54.7)")
+    plan.add_argument("--legacy", action="store_true", default=None,
+                      help="plan for VMMSTREAM_LEGACY_ALLOCATOR=1: nothing streams")
+    plan.add_argument("--tensors", action="store_true", help="list every tensor's placement")
+    plan.add_argument("--json", action="store_true", help="print JSON")
+    plan.set_defaults(fn=_plan)
+
+    make = subparsers.add_parser(
+        "make-checkpoint", help="write a random-weight bf16 checkpoint of a preset in Hugging Face layout",
+        description="Write config.json and model.safetensors (or shards + index) with random bf16 weights.")
+    make.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    make.add_argument("out", metavar="OUT", help="output directory")
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--shard-bytes", default=None, help="split into shards of at most this size, e.g. 2GB")
+    make.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in OUT")
+    make.set_defaults(fn=_make_checkpoint)
+
+
+def _plan(args) -> int:
+    from .model import PRESETS, open_checkpoint, synthetic_tensors
+    from .planning import make_plan
+    if args.budget is not None:
+        budget_value, source = args.budget, ("explicit", f"--budget {args.budget}")
+    elif BUDGET.is_set():
+        budget_value, source = BUDGET.get(), ("env", f"VMMSTREAM_BUDGET={BUDGET.get()}")
+    else:
+        raise BudgetError("plan needs a budget in bytes: pass --budget 6GiB or set VMMSTREAM_BUDGET "
+                          "(plan looks at no device, so 'auto' and fractions cannot be resolved)")
+    budget = parse_budget(budget_value)        # no device total: a fraction is a clear BudgetError
+    if args.legacy is None and LEGACY_ALLOCATOR.is_set():
+        legacy, legacy_src = LEGACY_ALLOCATOR.get(), "env"
+    else:
+        legacy, legacy_src = bool(args.legacy), "explicit" if args.legacy else "inferred"
+    gran = None if args.granularity is None else parse_budget(args.granularity)
+
+    path = Path(args.model)
+    if path.is_dir():
+        ck = open_checkpoint(path)
+        config, tensors, what = ck.config, ck.tensors, str(path)
+    elif args.model in PRESETS:
+        config = PRESETS[args.model].config
+        tensors, what = synthetic_tensors(config), f"preset {args.model}"
+    else:
+        raise VmmstreamError(f"{args.model!r} is neither a checkpoint directory nor a preset "
+                             f"({', '.join(PRESETS)})")
+    try:
+        plan = make_plan(config, tensors, budget, budget_source=source, max_context=args.max_context,
+                         batch=args.batch, slots=args.slots, granularity=gran, h2d_gbps=args.h2d_gbps,
+                         legacy=legacy, sources={"legacy": legacy_src})
+    except VmmstreamError:
+        raise
+    except ValueError as exc:
+        raise VmmstreamError(str(exc)) from None
+    if args.json:
+        print(json.dumps({"model": what, "legacy": legacy, **plan.to_dict()}, indent=2))
+    else:
+        print(f"model: {what}  ({config.n_params() / 1e9:.2f} B parameters, {config.num_hidden_layers} layers)")
+        print(plan.table(tensors=args.tensors))
+    return 0
+
+
+def _make_checkpoint(args) -> int:
+    from .model import get_preset, make_checkpoint
+    preset = get_preset(args.preset)
+    shard = None if args.shard_bytes is None else parse_budget(args.shard_bytes)
+    total = preset.weight_bytes
+    show = total >= _PROGRESS_MIN_BYTES
+    last = [-1]
+
+    def progress(done, total):
+        pct = 100 * done // max(1, total)
+        if show and pct != last[0]:
+            last[0] = pct
+            print(f"\rwriting {args.out}: {format_bytes(done)} of {format_bytes(total)} ({pct}%)",
+                  end="", file=sys.stderr, flush=True)
+
+    out = make_checkpoint(preset, args.out, seed=args.seed, shard_bytes=shard, overwrite=args.overwrite,
+                          progress=progress)
+    if show:
+        print(file=sys.stderr)
+    files = sorted(p.name for p in out.iterdir() if p.suffix in (".safetensors", ".json"))
+    print(f"wrote {out}: preset {preset.name}, {preset.config.n_params():,} parameters, "
+          f"{format_bytes(total)} bf16, seed {args.seed}; {', '.join(files)}")
+    return 0
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
+    return v
+
+
+def _slots(text: str) -> int:
+    v = _positive(text)
+    if v < 2:
+        raise argparse.ArgumentTypeError("streaming needs at least 2 slots (one fills while another is read)")
+    return v

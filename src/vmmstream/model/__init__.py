@@ -1,0 +1,19 @@
+"""The model layer: a checkpoint's config and tensors, the order a step reads them, presets (DESIGN §2)."""
+
+from .checkpoint import (  # noqa: F401
+    DTYPES,
+    Checkpoint,
+    CheckpointError,
+    TensorInfo,
+    iter_load,
+    load_all,
+    load_tokenizer,
+    open_checkpoint,
+    read_header,
+    read_headers,
+    read_tensor,
+    synthetic_tensors,
+    validate_tensors,
+)
+from .config import ARCHITECTURES, ModelConfig, UnsupportedModelError, load_config  # noqa: F401
+from .presets import PRESETS, Preset, get_preset, make_checkpoint  # noqa: F401

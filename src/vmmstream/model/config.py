@@ -1,0 +1,332 @@
+"""A dense decoder's shape, parsed from a Hugging Face ``config.json`` (Llama, Mistral, Qwen2).
+
+``ModelConfig`` also names the model's tensors and the order a decode step reads them, because that
+is architecture knowledge: the checkpoint reader validates against ``tensor_shapes()`` and the
+planner streams in ``decode_schedule()`` order (it calls the method, so planning never imports this
+layer; DESIGN §2).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import VmmstreamError
+
+
+class UnsupportedModelError(VmmstreamError, ValueError):
+    """A ``config.json`` this package cannot run: unknown architecture, missing field, unsupported feature."""
+
+
+# architecture -> (model_type, HF default max_position_embeddings)
+ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama", 2048),
+    "MistralForCausalLM": ("mistral", 4096 * 32),
+    "Qwen2ForCausalLM": ("qwen2", 32768),
+}
+_BY_MODEL_TYPE = {mt: arch for arch, (mt, _) in ARCHITECTURES.items()}
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = field(default=None, hash=False)   # llama3 only; None = plain RoPE
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False       # q/k/v biases (Qwen2); no o_proj bias
+    torch_dtype: str | None = "bfloat16"
+    sliding_window: int | None = None  # recorded; attention here is full causal (see check_context)
+
+    def __post_init__(self):
+        if self.architecture not in ARCHITECTURES:
+            raise UnsupportedModelError(_unsupported_arch(self.architecture))
+        for name in _REQUIRED + ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise UnsupportedModelError(f"config field {name}={v!r} must be a positive integer")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}; grouped-query attention needs it")
+        if self.attention_bias != (self.architecture == "Qwen2ForCausalLM"):
+            raise UnsupportedModelError(
+                f"attention_bias={self.attention_bias} does not match {self.architecture}: Qwen2 always has q/k/v "
+                "biases, Llama and Mistral (as supported here) never do")
+        if self.head_dim % 2:
+            raise UnsupportedModelError(f"head_dim={self.head_dim} is odd; RoPE rotates pairs, it must be even")
+        if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
+            raise UnsupportedModelError(
+                f"rms_norm_eps={self.rms_norm_eps!r} and rope_theta={self.rope_theta!r} must be positive")
+        if self.torch_dtype is not None and self.torch_dtype not in DTYPES:
+            raise UnsupportedModelError(
+                f"torch_dtype={self.torch_dtype!r} is not supported; checkpoints must be one of {', '.join(DTYPES)}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
+            raise UnsupportedModelError(f"sliding_window={self.sliding_window!r} must be a positive integer or null")
+        _check_rope_scaling(self.rope_scaling)
+
+    # -- derived sizes --
+    @property
+    def model_type(self) -> str:
+        return ARCHITECTURES[self.architecture][0]
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def kv_bytes_per_token(self, itemsize: int = 2) -> int:
+        """K and V of every layer for one position of one sequence."""
+        return 2 * self.num_hidden_layers * self.kv_dim * itemsize
+
+    def rope_inv_freq(self):
+        """RoPE inverse frequencies [head_dim / 2] (fp32, computed as transformers does), llama3 scaling applied."""
+        import numpy as np
+        d = self.head_dim
+        inv = (1.0 / (np.float32(self.rope_theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d))))
+        inv = inv.astype(np.float32)
+        s = self.rope_scaling
+        if s is None:
+            return inv
+        factor, lo, hi = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+        old = float(s["original_max_position_embeddings"])
+        wavelen = 2 * np.pi / inv
+        scaled = np.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+
+    def n_params(self) -> int:
+        return sum(_prod(s) for s in self.tensor_shapes().values())
+
+    # -- tensors --
+    def layer_tensor_shapes(self, i: int) -> dict[str, tuple[int, ...]]:
+        """One decoder layer's tensors, in the order its decode step reads them."""
+        h, p = self.hidden_size, f"model.layers.{i}."
+        out = {p + "input_layernorm.weight": (h,)}
+        for proj, rows in (("q", self.q_dim), ("k", self.kv_dim), ("v", self.kv_dim)):
+            out[p + f"self_attn.{proj}_proj.weight"] = (rows, h)
+            if self.attention_bias:
+                out[p + f"self_attn.{proj}_proj.bias"] = (rows,)
+        out[p + "self_attn.o_proj.weight"] = (h, self.q_dim)
+        out[p + "post_attention_layernorm.weight"] = (h,)
+        out[p + "mlp.gate_proj.weight"] = (self.intermediate_size, h)
+        out[p + "mlp.up_proj.weight"] = (self.intermediate_size, h)
+        out[p + "mlp.down_proj.weight"] = (h, self.intermediate_size)
+        return out
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor the checkpoint must hold, with its shape: embedding, layers in read order, norm, head."""
+        out = {"model.embed_tokens.weight": (self.vocab_size, self.hidden_size)}
+        for i in range(self.num_hidden_layers):
+            out.update(self.layer_tensor_shapes(i))
+        out["model.norm.weight"] = (self.hidden_size,)
+        if not self.tie_word_embeddings:
+            out["lm_head.weight"] = (self.vocab_size, self.hidden_size)
+        return out
+
+    def decode_schedule(self) -> tuple[str, ...]:
+        """Names of the tensors a decode step reads on the device, in the order it reads them.
+
+        The embedding table is gathered row by row from host memory (DESIGN §4), so it is not here —
+        unless it is tied to the output head, which reads all of it: then it is the last entry.
+        """
+        names = [n for n in self.tensor_shapes() if n != "model.embed_tokens.weight" and n != "lm_head.weight"]
+        names.append("model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight")
+        return tuple(names)
+
+    def host_tensors(self) -> tuple[str, ...]:
+        """Tensors that stay in (pinned) host memory: the embedding table, when it is not also the head."""
+        return () if self.tie_word_embeddings else ("model.embed_tokens.weight",)
+
+    def check_context(self, max_context: int) -> None:
+        """Refuse a context our full causal attention would compute differently from the model's."""
+        if self.sliding_window is not None and max_context > self.sliding_window:
+            raise UnsupportedModelError(
+                f"{self.architecture} uses sliding-window attention (window {self.sliding_window}); vmmstream "
+                f"attends over the full context, which differs beyond the window. Use max_context <= "
+                f"{self.sliding_window}")
+
+    # -- (de)serialization --
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        if not isinstance(d, dict):
+            raise UnsupportedModelError(f"config must be a JSON object, got {type(d).__name__}")
+        arch = _architecture(d)
+        _, default_max_pos = ARCHITECTURES[arch]
+        missing = [k for k in _REQUIRED if d.get(k) is None]
+        if missing:
+            raise UnsupportedModelError(
+                f"config.json for {arch} lacks required field(s) {', '.join(missing)}; is it a complete "
+                "Hugging Face config?")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"hidden_act={act!r} is not supported; the MLP kernel is SiLU-gated")
+        if arch == "LlamaForCausalLM" and (d.get("attention_bias") or d.get("mlp_bias")):
+            raise UnsupportedModelError("Llama with attention_bias/mlp_bias (biases on o_proj and the MLP) is not "
+                                        "supported; only Qwen2-style q/k/v biases are")
+        heads = d["num_attention_heads"]
+        head_dim = d.get("head_dim")
+        if head_dim is None:
+            if not isinstance(d["hidden_size"], int) or not isinstance(heads, int) or heads <= 0 \
+                    or d["hidden_size"] % heads:
+                raise UnsupportedModelError(
+                    f"hidden_size={d['hidden_size']!r} is not a multiple of num_attention_heads={heads!r} and "
+                    "the config gives no head_dim")
+            head_dim = d["hidden_size"] // heads
+        rope_theta, rope_scaling = _rope(d)
+        sliding = d.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" and not d.get("use_sliding_window", False):
+            sliding = None      # Qwen2 records a window but only uses it with use_sliding_window
+        if arch == "LlamaForCausalLM":
+            sliding = None
+        try:
+            return cls(
+                architecture=arch,
+                vocab_size=d["vocab_size"],
+                hidden_size=d["hidden_size"],
+                intermediate_size=d["intermediate_size"],
+                num_hidden_layers=d["num_hidden_layers"],
+                num_attention_heads=heads,
+                num_key_value_heads=d.get("num_key_value_heads") or heads,
+                head_dim=head_dim,
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope_theta),
+                rope_scaling=rope_scaling,
+                max_position_embeddings=d.get("max_position_embeddings") or default_max_pos,
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                attention_bias=arch == "Qwen2ForCausalLM",
+                torch_dtype=d.get("torch_dtype", d.get("dtype")),
+                sliding_window=sliding,
+            )
+        except UnsupportedModelError:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise UnsupportedModelError(f"config.json for {arch} has a malformed field: {exc}") from None
+
+    def to_hf_dict(self) -> dict:
+        """A ``config.json`` Hugging Face transformers reads back as this model."""
+        d = {
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": self.torch_dtype or "bfloat16",
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "use_cache": True,
+        }
+        if self.model_type == "llama":
+            d.update(attention_bias=False, mlp_bias=False)
+        elif self.model_type == "mistral":
+            d["sliding_window"] = self.sliding_window
+        else:
+            d.update(use_sliding_window=self.sliding_window is not None,
+                     sliding_window=self.sliding_window, max_window_layers=self.num_hidden_layers)
+        return d
+
+
+def load_config(path) -> ModelConfig:
+    """Parse ``config.json`` (a checkpoint directory or the file itself)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise UnsupportedModelError(f"no config.json at {p}; a Hugging Face checkpoint directory has one") from None
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UnsupportedModelError(f"{p} is not valid JSON: {exc}") from None
+    return ModelConfig.from_dict(d)
+
+
+def _unsupported_arch(arch) -> str:
+    return (f"architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)} "
+            "(dense Llama, Mistral and Qwen2 decoders)")
+
+
+def _architecture(d: dict) -> str:
+    archs = d.get("architectures")
+    if archs:
+        if not isinstance(archs, list):
+            raise UnsupportedModelError(f"config 'architectures' must be a list, got {archs!r}")
+        arch = archs[0]
+    elif d.get("model_type") in _BY_MODEL_TYPE:
+        arch = _BY_MODEL_TYPE[d["model_type"]]
+    else:
+        raise UnsupportedModelError(
+            f"config names no architecture (architectures missing, model_type={d.get('model_type')!r}); "
+            f"supported: {', '.join(ARCHITECTURES)}")
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModelError(_unsupported_arch(arch))
+    return arch
+
+
+def _rope(d: dict):
+    """rope_theta and rope_scaling, from the classic keys or transformers 5's ``rope_parameters``."""
+    theta = d.get("rope_theta")
+    scaling = d.get("rope_scaling")
+    params = d.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", theta)
+        if scaling is None:
+            scaling = params
+    if isinstance(scaling, dict):
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind in (None, "default"):
+            scaling = None
+        else:
+            scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+    return (10000.0 if theta is None else theta), scaling
+
+
+def _check_rope_scaling(s) -> None:
+    if s is None:
+        return
+    if not isinstance(s, dict):
+        raise UnsupportedModelError(f"rope_scaling={s!r} must be an object or null")
+    kind = s.get("rope_type", s.get("type"))
+    if kind != "llama3":
+        raise UnsupportedModelError(
+            f"rope_scaling type {kind!r} is not supported; only 'llama3' (or none) is. Linear, dynamic, yarn and "
+            "longrope scaling would change the rotary frequencies the kernels use")
+    missing = [k for k in _LLAMA3_KEYS if k not in s]
+    if missing:
+        raise UnsupportedModelError(f"llama3 rope_scaling lacks {', '.join(missing)}")
+
+
+def _prod(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+

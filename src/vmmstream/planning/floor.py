@@ -1,0 +1,66 @@
+"""The non-weight floor: device bytes a model needs before a single weight is placed (DESIGN §4, §5).
+
+All pure functions of sizes. Each component is rounded up to whole granules because each lives in
+its own arena of whole physical handles (DESIGN §3). ``config`` is anything with the ``ModelConfig``
+size attributes; this layer never imports the model layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+MiB = 2**20
+GRANULARITY = 2 * MiB          # H200's VMM granularity (GPU.md); the driver's figure overrides it
+PREFILL_CHUNK = 512            # tokens per prefill launch the activation buffers are sized for
+BF16 = 2
+FUSED_HEAD_DIMS = (64, 128)    # head dims with a fused prefill route (no workspace); see kernels/attention_prefill
+_ARGMAX_SPLIT_CHUNK, _ARGMAX_MAX_SPLIT = 4096, 256    # kernels/sampling: greedy partials per row
+
+
+def round_up(n: int, granularity: int) -> int:
+    return -(-int(n) // granularity) * granularity
+
+
+def kv_cache_bytes(config, max_context: int, batch: int, granularity: int) -> int:
+    """K and V for every layer at ``max_context`` positions of ``batch`` sequences, bf16, one arena:
+
+    ``2 · layers · kv_heads · head_dim · 2 bytes · max_context · batch``, rounded up to a granule.
+    """
+    raw = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * BF16 * max_context * batch
+    return round_up(raw, granularity)
+
+
+def estimate_workspace(config, max_context: int, batch: int, prefill_chunk: int = PREFILL_CHUNK) -> dict:
+    """A built-in *estimate* of the kernel workspace peaks, ``{"step": bytes, "session": bytes}`` (unrounded).
+
+    ``load_model`` should pass the real peaks, found by asking each kernel's ``workspace_requirement``
+    at the planned shapes; this estimate mirrors those formulas for the kernels that declare any:
+
+    - step: prefill attention without a fused route (head_dim not 64/128) materialises fp32 scores
+      ``[Hq, T, max_context]`` for a prefill chunk of ``T = min(prefill_chunk, max_context)`` tokens;
+      the fused routes need none.
+    - session: greedy argmax partials, 8 bytes × batch × ``min(256, ceil(vocab / 4096))`` (captured
+      decode needs them at a stable address).
+    """
+    t = min(prefill_chunk, max_context)
+    step = 0 if config.head_dim in FUSED_HEAD_DIMS else 4 * config.num_attention_heads * t * max_context
+    splits = max(1, min(_ARGMAX_MAX_SPLIT, math.ceil(config.vocab_size / _ARGMAX_SPLIT_CHUNK)))
+    return {"step": step, "session": 8 * batch * splits}
+
+
+def activation_bytes(config, max_context: int, batch: int, granularity: int,
+                     prefill_chunk: int = PREFILL_CHUNK) -> int:
+    """An *estimate* of the activation buffers, rounded up to a granule.
+
+    For ``T = min(prefill_chunk, max_context)`` tokens of each of ``batch`` sequences, bf16:
+    4 hidden-sized buffers (residual stream, normed input, attention output, projection output),
+    q, k and v (``(Hq + 2·Hkv) · head_dim``) and 3 MLP-sized buffers (gate, up, gated product);
+    plus fp32 logits for one position per sequence (``vocab · 4 · batch``) and int32 token ids and
+    positions (``8 · T · batch``). Decode uses a prefix of the same buffers (T = 1).
+    """
+    t = min(prefill_chunk, max_context)
+    per_token = BF16 * (4 * config.hidden_size
+                        + (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
+                        + 3 * config.intermediate_size)
+    raw = batch * t * (per_token + 8) + batch * config.vocab_size * 4
+    return round_up(raw, granularity)
