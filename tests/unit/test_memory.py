@@ -250,3 +250,14 @@ def test_shared_device_memory_per_process(monkeypatch):
     b = memory.device_memory(backend="host")
     assert b is not a and b.authority.budget_source.kind in ("inferred", "env")
     b.close()
+
+
+def test_smaller_block_aliases_the_front_of_a_larger_slot(mem):
+    slot = mem.allocate(4 * G, role="weight_slots", holder="h")
+    small = mem.reserve(2 * G, role="weight_slots", holder="h", arena="weights")
+    mem.alias(small, slot)
+    view(slot.va, 4 * G)[:] = np.arange(4 * G, dtype=np.uint32).astype(np.uint8)
+    assert np.array_equal(view(small.va, 2 * G), view(slot.va, 2 * G))
+    big = mem.reserve(8 * G, role="weight_slots", holder="h", arena="weights")
+    with pytest.raises(VmmstreamError, match="cannot show"):
+        mem.alias(big, slot)

@@ -147,15 +147,19 @@ class DeviceMemory:
         block.handle, block.aliased, block.state = h, False, "own"
 
     def alias(self, block: Block, source: Block) -> None:
-        """Map ``source``'s physical handle at ``block``'s VA too (charged once, to ``source``)."""
+        """Map ``source``'s physical handle (its first ``block.size`` bytes) at ``block``'s VA too.
+
+        Charged once, to ``source``. Streamed tensors alias the slot they are assigned to this way.
+        """
         self._check_open("alias")
         if self.legacy:
             raise VmmstreamError("the legacy allocator cannot alias (VMMSTREAM_LEGACY_ALLOCATOR=1)")
         self._require_unbacked(block, "alias")
         if source.state != "own":
             raise VmmstreamError(f"alias source must own its backing, not be {source.state}")
-        if source.size != block.size:
-            raise VmmstreamError(f"alias needs equal sizes ({source.size} != {block.size})")
+        if block.size > source.size:
+            raise VmmstreamError(f"alias: {block.size} B of VA cannot show a {source.size} B handle "
+                                 "(a block may alias the first bytes of a larger slot, not more)")
         with Transaction() as tx:
             self._map(block, source.handle, tx)
         block.handle, block.aliased, block.state = source.handle, True, "alias"
