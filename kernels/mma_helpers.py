@@ -1,0 +1,208 @@
+"""Device helpers shared by the attention kernels: packed-bf16 words, tensor-core mma, reductions.
+
+Numba has no tensor-core API, so ``mma_bf16_16816`` emits the PTX instruction
+``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`` as LLVM inline assembly through a Numba
+``intrinsic``: no CUDA C++ file, no NVRTC at run time, and it compiles with ``compile_ptx`` on a
+machine without a GPU. ``pack_bf16x2`` uses ``cvt.rn.bf16x2.f32`` the same way.
+
+Every helper has a simulator twin with the same arguments, so a kernel's index arithmetic runs in
+the Numba simulator too. The simulator has no warp shuffles and cannot run inline assembly, so its
+twins exchange values through a per-block shared ``scratch`` array and ``syncthreads`` (every thread
+of the block must call them together: the kernels do, their control flow around them is uniform).
+On the GPU the scratch arguments are ignored; kernels size them with ``SIM_*`` constants that are 1
+outside the simulator.
+
+Fragment layouts (PTX ISA, "Matrix fragments for mma.m16n8k16", bf16), lane = 4*g + t:
+  A 16x16 row-major, 4 regs of 2 bf16: a0 (row g, k 2t..2t+1), a1 (row g+8, same k),
+                                       a2 (row g, k 2t+8..2t+9), a3 (row g+8, k 2t+8..2t+9)
+  B 16x8 "col", 2 regs of 2 bf16:      b0 (k 2t..2t+1, col g), b1 (k 2t+8..2t+9, col g)
+  C/D 16x8 fp32, 4 regs:               c0, c1 (row g, cols 2t, 2t+1), c2, c3 (row g+8, same cols)
+The lower 16 bits of a register hold the element with the lower k (or column) index.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import config, cuda
+
+from .dtypes import dev_f32_to_bf16
+
+
+
+def kernel(launch_bounds):
+    """``cuda.jit`` for a kernel with launch bounds (the simulator's ``jit`` does not take them)."""
+    if config.ENABLE_CUDASIM:
+        return cuda.jit
+    return cuda.jit(launch_bounds=launch_bounds)
+
+
+@cuda.jit(device=True, inline="always")
+def block_reduce(red, v, use_max):
+    """Max (``use_max``) or sum of ``v`` over the whole block, returned to every thread; a tree through the
+    shared ``red[blockDim.x]`` (blockDim.x a power of two). No shuffles, so the simulator runs it as is."""
+    tid = cuda.threadIdx.x
+    red[tid] = v
+    cuda.syncthreads()
+    step = cuda.blockDim.x // 2
+    while step > 0:
+        if tid < step:
+            red[tid] = max(red[tid], red[tid + step]) if use_max else red[tid] + red[tid + step]
+        cuda.syncthreads()
+        step //= 2
+    r = red[0]
+    cuda.syncthreads()
+    return r
+
+
+WARPS = 4                 # warps per block of the mma kernels (the scratch arrays are sized for it)
+THREADS = 32 * WARPS
+
+if config.ENABLE_CUDASIM:
+    SIM_MMA_SCRATCH = (THREADS, 14)  # per thread: a0..a3, b0, b1, c0..c3 in, d0..d3 out (float64 holds all)
+    SIM_RED_SCRATCH = THREADS        # per-thread value for the emulated quad reductions
+
+    def _f32(bits):
+        return np.array([bits], dtype=np.uint32).view(np.float32)[0]
+
+    @cuda.jit(device=True, inline="always")
+    def bf16_lo(w):
+        """fp32 value of the low bf16 of a packed uint32 word."""
+        return _f32(np.uint32(np.uint32(w) << np.uint32(16)))
+
+    @cuda.jit(device=True, inline="always")
+    def bf16_hi(w):
+        """fp32 value of the high bf16 of a packed uint32 word."""
+        return _f32(np.uint32(np.uint32(w) & np.uint32(0xFFFF0000)))
+
+    @cuda.jit(device=True, inline="always")
+    def pack_bf16x2(lo, hi):
+        """Two fp32 -> one uint32 of two bf16 (round to nearest even), ``lo`` in the low half."""
+        return np.uint32(dev_f32_to_bf16(lo)) | (np.uint32(dev_f32_to_bf16(hi)) << np.uint32(16))
+
+    # Where each lane's fragment registers sit in the 16x16 A, 16x8 B and 16x8 C tiles (layouts above):
+    # index [lane, register, half] for A and B, [lane, register] for C.
+    _g, _t = (np.arange(32) >> 2)[:, None, None], (np.arange(32) & 3)[:, None, None]
+    _r4, _r2, _e = np.arange(4)[None, :, None], np.arange(2)[None, :, None], np.arange(2)[None, None, :]
+    _A_ROW = np.broadcast_to(_g + 8 * (_r4 & 1), (32, 4, 2))
+    _A_COL = np.broadcast_to(2 * _t + 8 * (_r4 >> 1) + _e, (32, 4, 2))
+    _B_K = np.broadcast_to(2 * _t + 8 * _r2 + _e, (32, 2, 2))
+    _B_N = np.broadcast_to(_g, (32, 2, 2))
+    _C_ROW, _C_COL = _g[:, :, 0] + 8 * (_r4[:, :, 0] >> 1), 2 * _t[:, :, 0] + (_r4[:, :, 0] & 1)
+
+    def _halves(words):
+        w = np.asarray(words, dtype=np.float64).astype(np.uint32)
+        lo = (w << np.uint32(16)).view(np.float32)
+        hi = (w & np.uint32(0xFFFF0000)).view(np.float32)
+        return np.stack([lo, hi], axis=-1).astype(np.float64)
+
+    def _warp_mma(frags):
+        """frags: [32 lanes, 10] = a0..a3, b0, b1, c0..c3 of one warp -> [32, 4] d0..d3."""
+        a, b, c = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
+        a[_A_ROW, _A_COL] = _halves(frags[:, 0:4])
+        b[_B_K, _B_N] = _halves(frags[:, 4:6])
+        c[_C_ROW, _C_COL] = frags[:, 6:10]
+        return (a @ b + c).astype(np.float32)[_C_ROW, _C_COL]
+
+    @cuda.jit(device=True, inline="always")
+    def mma_bf16_16816(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch):
+        """Emulated warp-wide D = A @ B + C on 16x16 bf16 A, 16x8 bf16 B, fp32 C/D (see layouts above):
+        the lanes publish their registers, lane 0 multiplies the warp's tiles, each lane reads its D."""
+        tid = cuda.threadIdx.x
+        for i, r in enumerate((a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)):
+            scratch[tid, i] = r
+        cuda.syncthreads()
+        if tid % 32 == 0:
+            scratch[tid:tid + 32, 10:14] = _warp_mma(scratch[tid:tid + 32, 0:10])
+        cuda.syncthreads()
+        # No trailing barrier: lane 0 overwrites this row's d only after the next call's first barrier,
+        # which this thread reaches only after reading d here.
+        d = [np.float32(scratch[tid, 10 + i]) for i in range(4)]
+        return d[0], d[1], d[2], d[3]
+
+    @cuda.jit(device=True, inline="always")
+    def _quad(v, scratch, use_max):
+        tid = cuda.threadIdx.x
+        scratch[tid] = v
+        cuda.syncthreads()
+        q = tid & ~3
+        vals = [scratch[q + i] for i in range(4)]
+        cuda.syncthreads()
+        return np.float32(max(vals)) if use_max else np.float32(vals[0] + vals[1] + vals[2] + vals[3])
+
+    @cuda.jit(device=True, inline="always")
+    def quad_max(v, scratch):
+        """Max of ``v`` over the 4 lanes 4g..4g+3 (the lanes holding one row of an mma C fragment)."""
+        return _quad(v, scratch, True)
+
+    @cuda.jit(device=True, inline="always")
+    def quad_sum(v, scratch):
+        """Sum of ``v`` over the 4 lanes 4g..4g+3."""
+        return _quad(v, scratch, False)
+
+else:
+    from llvmlite import ir
+    from numba.cuda import libdevice, types
+    from numba.cuda.extending import intrinsic
+
+    SIM_MMA_SCRATCH = (1, 1)
+    SIM_RED_SCRATCH = 1
+
+    @cuda.jit(device=True, inline="always")
+    def bf16_lo(w):
+        return libdevice.int_as_float(np.int32(np.uint32(w) << np.uint32(16)))
+
+    @cuda.jit(device=True, inline="always")
+    def bf16_hi(w):
+        return libdevice.int_as_float(np.int32(np.uint32(w) & np.uint32(0xFFFF0000)))
+
+    @intrinsic
+    def _cvt_bf16x2(typingctx, hi, lo):
+        sig = types.uint32(types.float32, types.float32)
+
+        def codegen(context, builder, sig, args):
+            f32 = ir.FloatType()
+            fnty = ir.FunctionType(ir.IntType(32), [f32, f32])
+            # cvt.rn.bf16x2.f32 d, a, b puts cvt(a) in the upper half of d and cvt(b) in the lower.
+            asm = ir.InlineAsm(fnty, "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
+            return builder.call(asm, list(args))
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline="always")
+    def pack_bf16x2(lo, hi):
+        return _cvt_bf16x2(np.float32(hi), np.float32(lo))
+
+    @intrinsic
+    def _mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        u, f = types.uint32, types.float32
+        sig = types.UniTuple(f, 4)(u, u, u, u, u, u, f, f, f, f)
+
+        def codegen(context, builder, sig, args):
+            f32, i32 = ir.FloatType(), ir.IntType(32)
+            fnty = ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
+            asm = ir.InlineAsm(
+                fnty,
+                "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
+                "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+            res = builder.call(asm, list(args))
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_value(res, i) for i in range(4)])
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline="always")
+    def mma_bf16_16816(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch):
+        return _mma(np.uint32(a0), np.uint32(a1), np.uint32(a2), np.uint32(a3),
+                    np.uint32(b0), np.uint32(b1),
+                    np.float32(c0), np.float32(c1), np.float32(c2), np.float32(c3))
+
+    @cuda.jit(device=True, inline="always")
+    def quad_max(v, scratch):
+        v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 1))
+        return max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 2))
+
+    @cuda.jit(device=True, inline="always")
+    def quad_sum(v, scratch):
+        v = v + cuda.shfl_xor_sync(0xFFFFFFFF, v, 1)
+        return v + cuda.shfl_xor_sync(0xFFFFFFFF, v, 2)

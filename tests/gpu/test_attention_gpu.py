@@ -1,0 +1,169 @@
+"""Attention kernels on a real GPU at model shapes (32 query / 8 KV heads, d=128) against the NumPy
+references: every prefill route, a prefill chunk at an offset into a longer cache, decode with device
+lengths below S_max, decode replayed from one captured graph at several lengths, and the workspace
+contract (invariant I7) on device memory. Fails (never skips) without a GPU.
+
+Tolerances, on bf16 outputs against an fp64 reference from the same bf16 inputs: one bf16 output
+rounding (2^-8 relative) plus an absolute slack of 2e-3 for the fp32-FMA routes and decode (fp32
+accumulation over up to 32768 keys) and 1e-2 for ``fused_mma`` (P is rounded to bf16 before P @ V,
+as in FlashAttention). References are computed on a subset of heads, spread over the KV groups.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from vmmstream.errors import WorkspaceShortfall
+from vmmstream.kernels import NONE, Lifetime
+from vmmstream.kernels import attention_decode as ad
+from vmmstream.kernels import attention_prefill as ap
+from vmmstream.kernels.dtypes import bf16_to_f32, f32_to_bf16
+from vmmstream.kernels.workspace import align_up
+
+pytestmark = pytest.mark.gpu
+
+HALF_ULP = 2.0 ** -8
+HQ, HKV, D = 32, 8, 128
+HEADS = [0, 9, 18, 31]          # query heads checked against the reference: KV heads 0, 2, 4, 7
+
+
+def bf16(rng, shape):
+    return f32_to_bf16(rng.standard_normal(shape, dtype=np.float32))
+
+
+def assert_bf16_close(got_bits, ref, abs_tol):
+    got = bf16_to_f32(got_bits).astype(np.float64)
+    err = np.abs(got - ref)
+    bound = HALF_ULP * np.abs(ref) + abs_tol
+    assert np.isfinite(got).all(), "non-finite output"
+    assert np.all(err <= bound), f"max excess {np.max(err - bound):.3g} (max err {err.max():.3g})"
+
+
+@pytest.fixture(scope="module")
+def stream():
+    return cuda.stream()
+
+
+def prefill_case(stream, T, Hq, Hkv, Dh, start_pos, route, S=None, heads=None, seed=0):
+    """Run a prefill and return (out bits for ``heads``, reference for ``heads``)."""
+    rng = np.random.default_rng(seed)
+    S = S or start_pos + T
+    q, k, v = bf16(rng, (T, Hq, Dh)), bf16(rng, (S, Hkv, Dh)), bf16(rng, (S, Hkv, Dh))
+    req = ap.workspace_requirement(T, Hq, Hkv, Dh, start_pos=start_pos, route=route)
+    ws = cuda.device_array(req.bytes, np.uint8) if req.bytes else None
+    out = cuda.to_device(np.full_like(q, 0x7FC0))      # NaN: every element must be written
+    ap.launch(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), out, ws,
+              start_pos=start_pos, route=route, stream=stream)
+    got = out.copy_to_host(stream=stream)
+    stream.synchronize()
+    heads = list(range(Hq)) if heads is None else heads
+    kvh = [h // (Hq // Hkv) for h in heads]
+    ref = ap.reference(q[:, heads], k[:, kvh], v[:, kvh], start_pos=start_pos)
+    return got[:, heads], ref
+
+
+# --------------------------------------------------------------------------------------- prefill
+
+@pytest.mark.parametrize("route,tol", [(ap.FUSED_MMA, 1e-2), (ap.FUSED, 2e-3)])
+def test_prefill_fused_real_shape(stream, route, tol):
+    assert ap.workspace_requirement(2048, HQ, HKV, D, route=route) == NONE
+    got, ref = prefill_case(stream, 2048, HQ, HKV, D, 0, route, heads=HEADS)
+    assert_bf16_close(got, ref, tol)
+
+
+@pytest.mark.parametrize("route,tol", [(ap.FUSED_MMA, 1e-2), (ap.FUSED, 2e-3)])
+def test_prefill_chunk_at_offset_into_longer_cache(stream, route, tol):
+    # queries at positions [1536, 2048) attend to cache [0, 1536 + i]; the cache holds 4096 rows
+    got, ref = prefill_case(stream, 512, HQ, HKV, D, 1536, route, S=4096, heads=HEADS, seed=1)
+    assert_bf16_close(got, ref, tol)
+
+
+@pytest.mark.parametrize("route,tol", [(ap.FUSED_MMA, 1e-2), (ap.FUSED, 2e-3)])
+def test_prefill_head_dim_64_ragged_length(stream, route, tol):
+    got, ref = prefill_case(stream, 999, 16, 4, 64, 37, route, seed=2)
+    assert_bf16_close(got, ref, tol)
+
+
+@pytest.mark.parametrize("Dh", [128, 96])
+def test_i7_prefill_materialized_on_device(stream, Dh):
+    T, sp = 300, 45
+    req = ap.workspace_requirement(T, HQ, HKV, Dh, start_pos=sp, route=ap.MATERIALIZED)
+    assert req.lifetime == Lifetime.STEP and req.bytes == align_up(HQ * T * (sp + T) * 4)
+    got, ref = prefill_case(stream, T, HQ, HKV, Dh, sp, ap.MATERIALIZED, heads=HEADS, seed=3)
+    assert_bf16_close(got, ref, 2e-3)
+    # a view one byte short is refused before anything is launched; the output stays untouched
+    q = cuda.to_device(np.zeros((T, HQ, Dh), np.uint16))
+    kv = cuda.to_device(np.zeros((sp + T, HKV, Dh), np.uint16))
+    out = cuda.to_device(np.full((T, HQ, Dh), 7, np.uint16))
+    short = cuda.device_array(req.bytes - 1, np.uint8)
+    with pytest.raises(WorkspaceShortfall) as e:
+        ap.launch(q, kv, kv, out, short, start_pos=sp, route=ap.MATERIALIZED, stream=stream)
+    assert (e.value.needed, e.value.given) == (req.bytes, req.bytes - 1)
+    assert (out.copy_to_host() == 7).all()
+
+
+# ---------------------------------------------------------------------------------------- decode
+
+def decode_case(stream, B, Hkv, Dh, S_max, lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    q = bf16(rng, (B, HQ, Dh))
+    k, v = bf16(rng, (B, S_max, Hkv, Dh)), bf16(rng, (B, S_max, Hkv, Dh))
+    req = ad.workspace_requirement(B, HQ, Hkv, Dh, S_max)
+    assert req.lifetime == Lifetime.SESSION
+    ws = cuda.to_device(np.full(req.bytes, 0xFF, np.uint8))   # stale NaN partials must not leak in
+    out = cuda.to_device(np.full((B, HQ, Dh), 0x7FC0, np.uint16))
+    lens = np.asarray(lengths, np.int32)
+    dk, dv = (cuda.to_device(x[0] if B == 1 else x) for x in (k, v))   # B == 1: [S_max, Hkv, D] cache
+    ad.launch(cuda.to_device(q), dk, dv, cuda.to_device(lens), out, ws, stream=stream)
+    got = out.copy_to_host(stream=stream)
+    stream.synchronize()
+    return got, ad.reference(q, k, v, lens)
+
+
+@pytest.mark.parametrize("S_max,length", [(4096, 3001), (32768, 30001), (32768, 1), (32768, 32768)])
+def test_decode_real_shape(stream, S_max, length):
+    got, ref = decode_case(stream, 1, HKV, D, S_max, [length])
+    assert_bf16_close(got, ref, 2e-3)
+
+
+def test_decode_batch_head_dim_64(stream):
+    got, ref = decode_case(stream, 3, 4, 64, 4096, [5, 4000, 4096], seed=1)
+    assert_bf16_close(got, ref, 2e-3)
+
+
+def test_i7_decode_short_view_on_device(stream):
+    req = ad.workspace_requirement(1, HQ, HKV, D, 4096)
+    q = cuda.to_device(np.zeros((1, HQ, D), np.uint16))
+    kv = cuda.to_device(np.zeros((4096, HKV, D), np.uint16))
+    lens = cuda.to_device(np.array([10], np.int32))
+    with pytest.raises(WorkspaceShortfall):
+        ad.launch(q, kv, kv, lens, q, cuda.device_array(req.bytes - 256, np.uint8), stream=stream)
+
+
+def test_decode_one_captured_graph_serves_every_length():
+    """Capture the two decode kernels once (at S_max), then change only the device-held length and
+    replay: each replay must match the reference at that length (DESIGN §6)."""
+    torch = pytest.importorskip("torch")
+    from vmmstream.kernels.launch import as_stream
+    S_max = 8192
+    rng = np.random.default_rng(4)
+    q, k, v = bf16(rng, (1, HQ, D)), bf16(rng, (S_max, HKV, D)), bf16(rng, (S_max, HKV, D))
+    dq, dk, dv = cuda.to_device(q), cuda.to_device(k), cuda.to_device(v)
+    lens = cuda.to_device(np.array([1], np.int32))
+    out = cuda.device_array((1, HQ, D), np.uint16)
+    ws = cuda.device_array(ad.workspace_requirement(1, HQ, HKV, D, S_max).bytes, np.uint8)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        ad.launch(dq, dk, dv, lens, out, ws, stream=as_stream(side))    # warm-up: compile and load
+    side.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ad.launch(dq, dk, dv, lens, out, ws, stream=as_stream(torch.cuda.current_stream()))
+    for n in (17, 4097, 8192, 1):
+        lens.copy_to_device(np.array([n], np.int32))
+        torch.cuda.synchronize()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bf16_close(out.copy_to_host(), ad.reference(q, k, v, [n]), 2e-3)

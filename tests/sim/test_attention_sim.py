@@ -1,0 +1,186 @@
+"""Attention kernels in the Numba CUDA simulator, at small odd shapes, against their NumPy references,
+plus the workspace contract (invariant I7).
+
+Covered here: every prefill route (fused fp32-FMA, fused tensor-core, materialized scores), a prefill
+chunk at a start offset into a longer cache, decode with device-held lengths below S_max (zero
+included) and a partial last split, GQA head mapping, short workspace views.
+
+What the simulator cannot check, left to tests/gpu/test_attention_gpu.py:
+- the real ``mma.sync`` and ``cvt.rn.bf16x2`` inline PTX and the ``shfl.xor`` quad reductions of the
+  ``fused_mma`` route: here they are twins in ``mma_helpers`` that implement the documented fragment
+  layouts in NumPy (so the kernel's fragment indexing IS checked, the hardware's layout is not);
+- the 16-byte vector loads of decode (``launch.ld8_ro``), likewise twins;
+- real shapes, real speed, launch bounds and register pressure.
+The simulator runs one Python thread per CUDA thread: cases are kept to a few thousand threads.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from vmmstream.errors import WorkspaceShortfall
+from vmmstream.kernels import NONE, Lifetime
+from vmmstream.kernels import attention_decode as ad
+from vmmstream.kernels import attention_prefill as ap
+from vmmstream.kernels.dtypes import bf16_to_f32, f32_to_bf16
+from vmmstream.kernels.workspace import align_up
+
+pytestmark = pytest.mark.sim
+
+HALF_ULP = 2.0 ** -8
+
+
+@pytest.fixture
+def switch_interval(request):
+    # One Python thread per CUDA thread: barrier-heavy kernels run far faster with quick GIL hand-offs,
+    # arithmetic-heavy ones slower. Each test says which it is.
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(getattr(request, "param", 5e-4))
+    yield
+    sys.setswitchinterval(old)
+
+
+def bf16(rng, shape):
+    return f32_to_bf16(rng.standard_normal(shape).astype(np.float32))
+
+
+def assert_bf16_close(got_bits, ref, abs_tol):
+    """A bf16 result vs the fp64-computed reference: one output rounding plus ``abs_tol``."""
+    got = bf16_to_f32(got_bits).astype(np.float64)
+    err = np.abs(got - ref)
+    bound = HALF_ULP * np.abs(ref) + abs_tol
+    assert np.all(err <= bound), f"max excess {np.max(err - bound):.3g} (max err {err.max():.3g})"
+
+
+def run_prefill(T, Hq, Hkv, D, start_pos, route, seed=0):
+    rng = np.random.default_rng(seed)
+    S = start_pos + T + 3                        # a cache longer than the keys attended to
+    q, k, v = bf16(rng, (T, Hq, D)), bf16(rng, (S, Hkv, D)), bf16(rng, (S, Hkv, D))
+    req = ap.workspace_requirement(T, Hq, Hkv, D, start_pos=start_pos, route=route)
+    ws = cuda.to_device(np.zeros(req.bytes, np.uint8)) if req.bytes else None
+    out = cuda.to_device(np.zeros_like(q))
+    stream = cuda.stream()
+    ap.launch(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), out, ws,
+              start_pos=start_pos, route=route, stream=stream)
+    stream.synchronize()
+    return out.copy_to_host(), ap.reference(q, k, v, start_pos=start_pos)
+
+
+# --------------------------------------------------------------------------------------- prefill
+
+@pytest.mark.parametrize("switch_interval", [5e-3], indirect=True)
+@pytest.mark.parametrize("T,Hq,Hkv,D,start_pos", [
+    (7, 4, 2, 64, 0),       # one key tile, two KV heads (GQA mapping), rows past T masked off
+    (9, 2, 1, 64, 30),      # chunk at an offset: keys [0, 39) span two 32-key tiles, diagonal in the second
+    (3, 1, 1, 128, 2),
+])
+def test_prefill_fused(switch_interval, T, Hq, Hkv, D, start_pos):
+    got, ref = run_prefill(T, Hq, Hkv, D, start_pos, ap.FUSED)
+    assert_bf16_close(got, ref, 2e-3)
+
+
+@pytest.mark.parametrize("switch_interval", [5e-4], indirect=True)
+@pytest.mark.parametrize("T,Hq,Hkv,D,start_pos", [
+    (11, 2, 1, 64, 60),     # keys [0, 71): two 64-key tiles, the diagonal in the second
+    (5, 1, 1, 128, 66),
+])
+def test_prefill_fused_mma_fragment_indexing(switch_interval, T, Hq, Hkv, D, start_pos):
+    # P is rounded to bf16 for the P @ V mma (as on the GPU), hence the looser tolerance.
+    got, ref = run_prefill(T, Hq, Hkv, D, start_pos, ap.FUSED_MMA)
+    assert_bf16_close(got, ref, 1e-2)
+
+
+@pytest.mark.parametrize("switch_interval", [5e-4], indirect=True)
+def test_prefill_materialized_odd_head_dim(switch_interval):
+    # D = 40: a head dim the fused routes do not take, so choose_route sends it here
+    assert ap.choose_route(5, 4, 2, 40, start_pos=11) == ap.MATERIALIZED
+    got, ref = run_prefill(5, 4, 2, 40, 11, None)
+    assert_bf16_close(got, ref, 2e-3)
+
+
+def test_i7_prefill_requirements():
+    assert ap.choose_route(2048, 32, 8, 128) == ap.FUSED_MMA
+    for route in (ap.FUSED, ap.FUSED_MMA):
+        assert ap.workspace_requirement(2048, 32, 8, 128, route=route) == NONE
+    req = ap.workspace_requirement(5, 4, 2, 40, start_pos=11, route=ap.MATERIALIZED)
+    assert req.lifetime == Lifetime.STEP
+    assert req.bytes == align_up(1 * 4 * 5 * (11 + 5) * 4)      # B * H * Sq * Sk * fp32
+    assert req.bytes == ap._layout(5, 4, 40, 11, ap.MATERIALIZED).total
+    with pytest.raises(ValueError):
+        ap.workspace_requirement(5, 4, 2, 64, route="nope")
+
+
+def test_i7_prefill_short_view_refused():
+    T, Hq, Hkv, D, sp = 5, 4, 2, 40, 11
+    q = cuda.to_device(np.zeros((T, Hq, D), np.uint16))
+    kv = cuda.to_device(np.zeros((sp + T, Hkv, D), np.uint16))
+    out = cuda.to_device(np.zeros((T, Hq, D), np.uint16))
+    need = ap.workspace_requirement(T, Hq, Hkv, D, start_pos=sp).bytes
+    for ws in (None, cuda.to_device(np.zeros(need - 1, np.uint8))):
+        with pytest.raises(WorkspaceShortfall) as e:
+            ap.launch(q, kv, kv, out, ws, start_pos=sp, stream=cuda.stream())
+        assert e.value.needed == need
+    with pytest.raises(ValueError):      # the fused routes take head dims 64 and 128 only
+        ap.launch(q, kv, kv, out, None, start_pos=sp, route=ap.FUSED, stream=cuda.stream())
+
+
+def test_prefill_formulas():
+    assert ap.flops(4, 2, 8, start_pos=3) == 4 * 8 * 2 * (4 * 3 + 10)
+    assert ap.bytes_moved(4, 2, 1, 64, route=ap.FUSED) == 2 * (2 * 4 * 2 * 64 + 2 * 4 * 1 * 64)
+
+
+# ---------------------------------------------------------------------------------------- decode
+
+def run_decode(B, Hq, Hkv, D, S_max, lengths, three_d=False, seed=1):
+    rng = np.random.default_rng(seed)
+    q = bf16(rng, (B, Hq, D))
+    k, v = bf16(rng, (B, S_max, Hkv, D)), bf16(rng, (B, S_max, Hkv, D))
+    lens = np.asarray(lengths, np.int32)
+    req = ad.workspace_requirement(B, Hq, Hkv, D, S_max)
+    ws = cuda.to_device(np.full(req.bytes, 0xFF, np.uint8))      # garbage partials must not leak in
+    out = cuda.to_device(np.full((B, Hq, D), 0x7FC0, np.uint16))
+    dk, dv = (cuda.to_device(x[0] if three_d else x) for x in (k, v))
+    stream = cuda.stream()
+    ad.launch(cuda.to_device(q), dk, dv, cuda.to_device(lens), out, ws, stream=stream)
+    stream.synchronize()
+    return out.copy_to_host(), ad.reference(q, k, v, lens)
+
+
+@pytest.mark.parametrize("switch_interval", [5e-4], indirect=True)
+@pytest.mark.parametrize("B,D,S_max,lengths,three_d", [
+    (2, 64, 100, [37, 70], False),     # 2 splits of 64: one sequence uses one, the other a partial second
+    (1, 128, 150, [129], True),        # [S_max, Hkv, D] cache, 3 splits, last one holds a single key
+    (2, 64, 70, [0, 5], False),        # an empty sequence gives zeros; only split 0 active
+])
+def test_decode_device_length(switch_interval, B, D, S_max, lengths, three_d):
+    got, ref = run_decode(B, 4, 2, D, S_max, lengths, three_d)
+    assert_bf16_close(got, ref, 2e-3)
+
+
+def test_i7_decode_requirement_and_short_view():
+    B, Hq, Hkv, D, S_max = 2, 4, 2, 64, 100
+    chunk, ns = ad.plan(B, Hkv, S_max, Hq // Hkv)
+    assert (chunk, ns) == (64, 2)
+    req = ad.workspace_requirement(B, Hq, Hkv, D, S_max)
+    assert req.lifetime == Lifetime.SESSION
+    assert req.bytes == 2 * align_up(B * Hq * ns * 4) + align_up(B * Hq * ns * D * 4)
+    assert req.bytes == ad._layout(B, Hq, Hkv, D, S_max).total
+    q = cuda.to_device(np.zeros((B, Hq, D), np.uint16))
+    kv = cuda.to_device(np.zeros((B, S_max, Hkv, D), np.uint16))
+    lens = cuda.to_device(np.array([3, 4], np.int32))
+    for ws in (None, cuda.to_device(np.zeros(req.bytes - 1, np.uint8))):
+        with pytest.raises(WorkspaceShortfall):
+            ad.launch(q, kv, kv, lens, q, ws, stream=cuda.stream())
+
+
+def test_decode_plan_fills_an_h200():
+    # 32 query / 8 KV heads, S_max 32768: 128 splits x 8 heads = 1024 blocks; the split count follows
+    # S_max (the capture bound), not the length
+    assert ad.plan(1, 8, 32768, 4) == (256, 128)
+    assert ad.plan(1, 8, 4096, 4) == (64, 64)
+    assert ad.plan(1, 8, 32768, 8)[0] <= 2048 // 8
+    assert ad.flops(1, 32, 128, [100]) == 4 * 128 * 32 * 100
