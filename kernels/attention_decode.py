@@ -8,19 +8,27 @@
 The length is read on the device, so one captured graph serves every length up to S_max. The grid is a
 fixed function of S_max (the capture-time bound), never of the runtime length:
 
-pass 1 (``_split``): block (split, kv head, b) covers positions [split*chunk, (split+1)*chunk). Blocks at
-  or past the length return at once. The others load each K/V row once for all Hq/Hkv query heads of
-  the group (16-byte loads through the read-only path), and write the chunk's max, sum of exp and
-  unnormalised output per query head into the session-lifetime workspace.
-pass 2 (``_combine``): block (query head, b) rescales and sums the partials of the splits below the
-  length and writes bf16.
+pass 1 (``_split``, flash-decoding): block (split, kv head, b) covers positions [split*chunk,
+  (split+1)*chunk); blocks at or past the length return at once. A block is ``WARPS`` warps; a warp is
+  32 / L lane groups of L = D / 8 lanes, each lane holding 8 dims (one 16-byte ``ld.global.nc``) of a K
+  or V row. Every lane group is an independent stream: per iteration it takes ``KEYS`` consecutive keys
+  (the block's streams sweep the chunk together, ``WARPS * 32 / L * KEYS`` keys per step), issues all
+  their K and V loads at once (the next step's too with ``PREFETCH``; ``FLAT_LOADS``: addressed by a
+  running element offset instead of the 4-D index), forms the G = Hq / Hkv dot
+  products with xor-butterfly shuffles inside the group, and folds them into a per-head running max /
+  sum / output in registers (online softmax, base 2). No barrier in the main loop. At the end the
+  groups of a warp merge by shuffles, the warps through shared memory once, and the block writes one
+  partial (max, sum of exp, unnormalised output per query head) to the session-lifetime workspace.
+pass 2 (``_combine``): block (query head, b); each thread folds a few splits' partials online (its
+  loads for ``C_UNROLL`` splits in flight at once), the threads merge through shared memory, bf16 out.
 
-Head dims 64 and 128; Hq / Hkv <= 8.
+Head dims 64 and 128; Hq / Hkv <= 8. Maxima are kept in log2 units (q is pre-scaled by scale * log2 e).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 from numba import cuda, float32, uint32
@@ -33,14 +41,28 @@ from .workspace import Lifetime, WorkspaceRequirement, layout
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 8
 CAPTURE_SAFE = True      # device arrays only, length read on the device, grid fixed by S_max
-THREADS = 128            # pass 1
-KB = 64                  # keys per pass-1 sub-tile
-CHUNKS = (512, 256, 128, 64)
-TARGET_BLOCKS = 4 * 132  # ~4 pass-1 blocks per SM of an H200 (132 SMs); a constant so the plan is portable
-UNROLL = 4               # V rows in flight per thread in the P.V phase
-C_THREADS = 256          # pass 2: 8 split lanes x 32 dim lanes
-C_SPLIT_LANES = 8
+
+# pass 1 tuning. Swept on an H200 (32q/8kv heads, D=128, S=32768, CUDA graph of 20 calls; SDPA 37.5 us):
+#   WARPS/KEYS/PREFETCH/MIN_BLOCKS @ chunk -> us:  4/4/on/0 @1024 49.6 (default) | 4/4/on/0 @512 55.2 |
+#   4/4/on/0 @256 53.0 | 4/2/on/4 @512 53.1 | 4/2/on/4 @256 56.1 | 4/2/on/4 @1024 59.3 | 4/4/off/4 @512 51.7
+#   | 8/4/off/2 @1024 52.3 | 4/8/off/3 @512 65.7 | 2/2/on/8 @256 54.4. Pass 2 + its launch: ~4 us of the total.
+WARPS = 4                # warps per pass-1 block
+KEYS = 4                 # keys per lane group per step: 2 * KEYS 16-byte loads per lane per step
+PREFETCH = True          # issue the next step's loads before using this step's (doubles the loads in flight)
+FLAT_LOADS = False       # K/V addresses as a running element offset: 128 registers instead of 168 and ~7%
+                         # fewer loop instructions (ptxas), GPU-untimed so far: see bench/_decode_sweep.py
+MIN_BLOCKS = 0           # launch-bounds minimum of resident blocks per SM (0: let ptxas choose; 168 registers)
+CHUNKS = (1024, 512, 256, 128, 64)   # candidate keys per block, largest first
+SMS = 132                # an H200's SMs: a constant, so the plan (and the workspace) is portable
+RESIDENT_WARPS = 12 * SMS  # pass-1 warps resident at once with the settings above (168 registers a thread)
+# pass 2
+C_THREADS = 512          # D / 4 dim lanes (4 dims each) x C_THREADS / (D / 4) split lanes
+C_UNROLL = 4             # splits per thread per step
+
 NEG_INF = float32(-math.inf)
+M_INIT = float32(-3.4028234663852886e38)   # running max before any key: finite, so exp2(m - m') never NaNs
+LOG2E = 1.4426950408889634
+FULL_MASK = 0xFFFFFFFF
 
 
 # ----------------------------------------------------------------------------- host side
@@ -67,15 +89,17 @@ def reference(q, k, v, seq_len, *, scale=None):
 
 
 def plan(B, Hkv, S_max, group):
-    """(chunk, n_splits): the largest chunk that still gives ~TARGET_BLOCKS pass-1 blocks at full length.
-    A function of the capture-time bound S_max only, so every length reuses one grid and workspace."""
-    cap = 2048 // group                          # the chunk's scores live in shared memory
-    chunks = [c for c in CHUNKS if c <= cap]
-    for c in chunks:
+    """(chunk, n_splits) at the capture-time bound S_max, so every length reuses one grid and workspace:
+    the smallest chunk of ``CHUNKS`` whose pass-1 grid fits in one wave of resident blocks (most warps in
+    flight, no second wave; what the sweep above favours), else the largest (fewest waves and partials).
+    ``group`` (Hq / Hkv) is accepted for the interface; the chunk does not depend on it."""
+    resident = max(1, RESIDENT_WARPS // WARPS)
+    for c in reversed(CHUNKS):
         ns = -(-S_max // c)
-        if B * Hkv * ns >= TARGET_BLOCKS:
+        if B * Hkv * ns <= resident:
             return c, ns
-    return chunks[-1], -(-S_max // chunks[-1])
+    c = CHUNKS[0]
+    return c, -(-S_max // c)
 
 
 def _layout(B, Hq, Hkv, D, S_max):
@@ -102,7 +126,93 @@ def bytes_moved(B, Hq, Hkv, D, lengths, S_max):
     return 2 * 2 * total_len * Hkv * D + 2 * 2 * B * Hq * D + 2 * splits * Hq * (D + 2) * 4
 
 
-# ----------------------------------------------------------------------------- pass 1
+# ----------------------------------------------------------------------------- device helpers
+
+if la.SIM:
+    def _lanes_values(values):
+        """Every lane's tuple of values, in lane order (the simulator has no shuffles: a barrier-separated
+        exchange through the block manager, as in launch.py; every thread of the block calls it)."""
+        th = threading.current_thread()
+        box = th._manager.__dict__.setdefault("_vmm_decode_xchg", {})
+        tid = th.thread_id
+        box[tid] = values
+        th.syncthreads()
+        base = tid - tid % 32
+        vals = [box[t] for t in range(base, base + 32)]
+        th.syncthreads()
+        return vals
+
+    def _group_sum(vals, n, lanes):
+        """vals[:n] summed over the ``lanes`` aligned lanes of this lane's group, in every lane of it."""
+        lane = threading.current_thread().thread_id % 32
+        allv = _lanes_values(tuple(vals[i] for i in range(n)))
+        base = lane - lane % lanes
+        for i in range(n):
+            vals[i] = np.float32(sum(np.float64(allv[j][i]) for j in range(base, base + lanes)))
+
+    def _xor_get(src, dst, n, off):
+        """dst[:n] = src[:n] of lane ^ off."""
+        lane = threading.current_thread().thread_id % 32
+        allv = _lanes_values(tuple(src[i] for i in range(n)))
+        for i in range(n):
+            dst[i] = allv[lane ^ off][i]
+
+    def _exp2(x):
+        return np.float32(math.pow(2.0, float(x)))
+
+    def _ld8_ro_at(arr, off):
+        """8 bf16 at element offset ``off`` from the array's first element, as four packed words."""
+        a = arr._ary if hasattr(arr, "_ary") else arr
+        off = int(off)
+        flat = np.lib.stride_tricks.as_strided(a, shape=(off + 8,), strides=(a.itemsize,), writeable=False)
+        w = flat[off:off + 8].astype(np.uint32)
+        w = w[0::2] | (w[1::2] << np.uint32(16))
+        return np.uint32(w[0]), np.uint32(w[1]), np.uint32(w[2]), np.uint32(w[3])
+
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True, inline="always")
+    def _group_sum(vals, n, lanes):
+        off = lanes // 2
+        while off > 0:
+            for i in range(n):
+                vals[i] += cuda.shfl_xor_sync(FULL_MASK, vals[i], off)
+            off //= 2
+
+    @cuda.jit(device=True, inline="always")
+    def _xor_get(src, dst, n, off):
+        for i in range(n):
+            dst[i] = cuda.shfl_xor_sync(FULL_MASK, src[i], off)
+
+    @cuda.jit(device=True, inline="always")
+    def _exp2(x):
+        return libdevice.exp2f(x)
+
+    from llvmlite import ir
+    from numba.core import types
+    from numba.cuda.extending import intrinsic
+
+    _V4 = ir.VectorType(ir.IntType(32), 4)
+
+    @intrinsic
+    def _ld8_ro_at(typingctx, arr, off):
+        """``ld.global.nc.v4.u32`` of the 8 bf16 at element offset ``off`` from the array's first element
+        (the caller keeps it 16-byte aligned, like ``launch.ld8_ro``): the address is one add on a
+        running offset instead of a full multi-index computation per load."""
+        sig = types.UniTuple(types.uint32, 4)(arr, off)
+
+        def codegen(context, builder, sig, args):
+            a = context.make_array(sig.args[0])(context, builder, value=args[0])
+            o = context.cast(builder, args[1], sig.args[1], types.intp)
+            p = builder.gep(a.data, [o], inbounds=True)
+            v = builder.load(builder.bitcast(p, _V4.as_pointer()), align=16)
+            v.set_metadata("invariant.load", builder.module.add_metadata([]))
+            words = [builder.extract_element(v, ir.Constant(ir.IntType(32), i)) for i in range(4)]
+            return context.make_tuple(builder, sig.return_type, words)
+
+        return sig, codegen
+
 
 @cuda.jit(device=True, inline="always")
 def _unpack8(dst, i, w0, w1, w2, w3, mul):
@@ -113,185 +223,259 @@ def _unpack8(dst, i, w0, w1, w2, w3, mul):
     dst[i + 6], dst[i + 7] = mh.bf16_lo(w3) * mul, mh.bf16_hi(w3) * mul
 
 
-def _make_split(G, D):
-    # Score phase: NDS lanes share one K row, 16 dims each (two 16-byte loads); NKL rows in parallel,
-    # KPT rows per thread per sub-tile. The lanes' partial dots meet in shared memory (no shuffles).
-    NDS = D // 16
-    NKL = THREADS // NDS
-    KPT = KB // NKL
-    PW = NDS + 1                       # padded partial row: conflict-free column sums
-    # P.V phase: NDV lanes share one V row, 8 dims each (one 16-byte load); NKV rows in parallel.
-    NDV = D // 8
-    NKV = THREADS // NDV
-    MAXC = 2048 // G
-    SCR = max(G * KB * PW, NKV * G * D)
-    QR, KW, ACC, VW = 16 * G, 8 * KPT, 8 * G, 4 * UNROLL
-    U = UNROLL
+# ----------------------------------------------------------------------------- pass 1
 
-    @mh.kernel(THREADS)
+def _make_split(G, D, W=None, U=None, PF=None, MINB=None, FLAT=None):
+    W = WARPS if W is None else W
+    FLAT = FLAT_LOADS if FLAT is None else FLAT
+    U = KEYS if U is None else U
+    PF = PREFETCH if PF is None else PF
+    MINB = MIN_BLOCKS if MINB is None else MINB
+    L = D // 8            # lanes per key row: 8 dims (one 16-byte load) per lane
+    R = 32 // L           # lane groups (independent streams) per warp
+    LOGR = R.bit_length() - 1
+    KPB = W * R * U       # keys per block step
+    THR = 32 * W
+    QN, SN = 8 * G, U * G
+    MO, LO, NST = 8 * G, 9 * G, 10 * G   # state: acc [8G] | running max [G] | running sum [G]
+    BW = 4 * U
+    G2 = 2 * G
+
+    @mh.kernel((THR, MINB) if MINB else THR)
     def split(q, k, v, seq_len, part_m, part_l, part_o, chunk, scale):
         # q: [B, Hq, D] u16; k, v: [B, S_max, Hkv, D] u16; seq_len: [B] i32
         # part_m, part_l: [B, Hq, NS] f32; part_o: [B, Hq, NS, D] f32
-        scr = cuda.shared.array(SCR, float32)      # partial dots, later the per-lane outputs
-        ss = cuda.shared.array((G, MAXC), float32)  # scores, then exp(score - chunk max)
-        red = cuda.shared.array((G, 32), float32)
-        stat = cuda.shared.array(G, float32)
+        sm_s = cuda.shared.array((W, G2), float32)     # per warp: max, sum per head
+        sm_o = cuda.shared.array((W, G, D), float32)      # per warp: unnormalised output per head
         sp, kvh, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         c0 = sp * chunk
         n_all = min(seq_len[b], k.shape[1])
         if c0 >= n_all:
-            return                                 # uniform over the block: before any barrier
+            return                                 # uniform over the block: before any shuffle or barrier
         n = min(chunk, n_all - c0)
         tid = cuda.threadIdx.x
+        lane, wid = tid % 32, tid // 32
+        d0 = 8 * (lane % L)
+        r_st = (wid * R + lane // L) * U           # this stream's first key of a step, relative to c0
         h0 = kvh * G
 
-        # ---- scores: ss[h, key] = scale * q_h . k_key
-        ds, kl = tid % NDS, tid // NDS
-        qr = cuda.local.array(QR, float32)         # this lane's 16 dims of every query head, pre-scaled
+        qr = cuda.local.array(QN, float32)         # this lane's 8 dims of every query head, pre-scaled
         for h in range(G):
-            for r in range(2):
-                w0, w1, w2, w3 = la.ld8_ro(q, (b, h0 + h, 8 * (ds + NDS * r)))
-                _unpack8(qr, 16 * h + 8 * r, w0, w1, w2, w3, scale)
-        kw = cuda.local.array(KW, uint32)
-        kf = cuda.local.array(16, float32)
-        for t0 in range(0, n, KB):
-            for j in range(KPT):                   # issue every load of the sub-tile first
-                key = t0 + kl + NKL * j
-                for r in range(2):
-                    if key < n:
-                        w0, w1, w2, w3 = la.ld8_ro(k, (b, c0 + key, kvh, 8 * (ds + NDS * r)))
-                    else:
-                        w0 = w1 = w2 = w3 = uint32(0)
-                    kw[8 * j + 4 * r], kw[8 * j + 4 * r + 1] = w0, w1
-                    kw[8 * j + 4 * r + 2], kw[8 * j + 4 * r + 3] = w2, w3
-            for j in range(KPT):
-                for x in range(8):
-                    kf[2 * x] = mh.bf16_lo(kw[8 * j + x])
-                    kf[2 * x + 1] = mh.bf16_hi(kw[8 * j + x])
-                for h in range(G):
-                    acc = float32(0.0)
-                    for x in range(16):
-                        acc += qr[16 * h + x] * kf[x]
-                    scr[(h * KB + kl + NKL * j) * PW + ds] = acc
-            cuda.syncthreads()
-            for i in range(tid, G * KB, THREADS):
-                h, key = i // KB, i % KB
-                s = float32(0.0)
-                for e in range(NDS):
-                    s += scr[(h * KB + key) * PW + e]
-                if t0 + key < n:
-                    ss[h, t0 + key] = s
-            cuda.syncthreads()
+            w0, w1, w2, w3 = la.ld8_ro(q, (b, h0 + h, d0))
+            _unpack8(qr, 8 * h, w0, w1, w2, w3, scale * float32(LOG2E))
+        st = cuda.local.array(NST, float32)
+        for i in range(MO):
+            st[i] = 0.0
+        for h in range(G):
+            st[MO + h] = M_INIT
+            st[LO + h] = 0.0
 
-        # ---- chunk softmax statistics per head (n >= 1, so the max is finite)
-        for i in range(tid, G * 32, THREADS):
-            h, lane = i // 32, i % 32
-            m = NEG_INF
-            for key in range(lane, n, 32):
-                m = max(m, ss[h, key])
-            red[h, lane] = m
-        cuda.syncthreads()
-        if tid < G:
-            m = NEG_INF
-            for lane in range(32):
-                m = max(m, red[tid, lane])
-            stat[tid] = m
-        cuda.syncthreads()
-        for i in range(tid, G * 32, THREADS):
-            h, lane = i // 32, i % 32
-            m = stat[h]
-            lsum = float32(0.0)
-            for key in range(lane, n, 32):
-                p = math.exp(ss[h, key] - m)
-                ss[h, key] = p
-                lsum += p
-            red[h, lane] = lsum
-        cuda.syncthreads()
-        if tid < G:
-            lsum = float32(0.0)
-            for lane in range(32):
-                lsum += red[tid, lane]
-            part_m[b, h0 + tid, sp] = stat[tid]
-            part_l[b, h0 + tid, sp] = lsum
-
-        # ---- unnormalised output: sum_key p[h, key] * v[key]
-        dv, kv_lane = tid % NDV, tid // NDV
-        acc = cuda.local.array(ACC, float32)
-        for i in range(ACC):
-            acc[i] = 0.0
-        vw = cuda.local.array(VW, uint32)
-        for base in range(kv_lane, n, NKV * U):
-            for u in range(U):                # loads first: UNROLL rows in flight
-                key = base + NKV * u
-                if key < n:
-                    w0, w1, w2, w3 = la.ld8_ro(v, (b, c0 + key, kvh, 8 * dv))
-                else:
-                    w0 = w1 = w2 = w3 = uint32(0)
-                vw[4 * u], vw[4 * u + 1], vw[4 * u + 2], vw[4 * u + 3] = w0, w1, w2, w3
+        kb = cuda.local.array(BW, uint32)          # K / V words of the step in flight
+        vb = cuda.local.array(BW, uint32)
+        kc = cuda.local.array(BW, uint32)          # K / V words of the step being used
+        vc = cuda.local.array(BW, uint32)
+        kf = cuda.local.array(8, float32)
+        s = cuda.local.array(SN, float32)          # scores, then probabilities, [u * G + h]
+        n_it = (n + KPB - 1) // KPB
+        # FLAT: element offsets of this lane's 8 dims of the next key to load, running by one step each step
+        k_row, v_row = k.strides[1] // 2, v.strides[1] // 2
+        kq = (b * k.strides[0] + kvh * k.strides[2]) // 2 + (c0 + r_st) * k_row + d0
+        vq = (b * v.strides[0] + kvh * v.strides[2]) // 2 + (c0 + r_st) * v_row + d0
+        if PF:
             for u in range(U):
-                key = base + NKV * u
-                if key < n:
-                    for x in range(4):
-                        lo, hi = mh.bf16_lo(vw[4 * u + x]), mh.bf16_hi(vw[4 * u + x])
-                        for h in range(G):
-                            p = ss[h, key]
-                            acc[8 * h + 2 * x] += p * lo
-                            acc[8 * h + 2 * x + 1] += p * hi
-        for h in range(G):                        # scr is free: its last readers passed a barrier
-            for e in range(8):
-                scr[(kv_lane * G + h) * D + 8 * dv + e] = acc[8 * h + e]
+                if r_st + u < n:
+                    if FLAT:
+                        w0, w1, w2, w3 = _ld8_ro_at(k, kq + u * k_row)
+                        x0, x1, x2, x3 = _ld8_ro_at(v, vq + u * v_row)
+                    else:
+                        w0, w1, w2, w3 = la.ld8_ro(k, (b, c0 + r_st + u, kvh, d0))
+                        x0, x1, x2, x3 = la.ld8_ro(v, (b, c0 + r_st + u, kvh, d0))
+                else:
+                    w0 = w1 = w2 = w3 = x0 = x1 = x2 = x3 = uint32(0)
+                kb[4 * u], kb[4 * u + 1], kb[4 * u + 2], kb[4 * u + 3] = w0, w1, w2, w3
+                vb[4 * u], vb[4 * u + 1], vb[4 * u + 2], vb[4 * u + 3] = x0, x1, x2, x3
+            kq += KPB * k_row
+            vq += KPB * v_row
+        for it in range(n_it):
+            r0 = it * KPB + r_st
+            if PF:
+                for i in range(BW):
+                    kc[i] = kb[i]
+                    vc[i] = vb[i]
+                rn = r0 + KPB                      # the next step's loads go out before this step's math
+            else:
+                rn = r0
+            for u in range(U):
+                if rn + u < n:
+                    if FLAT:
+                        w0, w1, w2, w3 = _ld8_ro_at(k, kq + u * k_row)
+                        x0, x1, x2, x3 = _ld8_ro_at(v, vq + u * v_row)
+                    else:
+                        w0, w1, w2, w3 = la.ld8_ro(k, (b, c0 + rn + u, kvh, d0))
+                        x0, x1, x2, x3 = la.ld8_ro(v, (b, c0 + rn + u, kvh, d0))
+                else:
+                    w0 = w1 = w2 = w3 = x0 = x1 = x2 = x3 = uint32(0)
+                if PF:
+                    kb[4 * u], kb[4 * u + 1], kb[4 * u + 2], kb[4 * u + 3] = w0, w1, w2, w3
+                    vb[4 * u], vb[4 * u + 1], vb[4 * u + 2], vb[4 * u + 3] = x0, x1, x2, x3
+                else:
+                    kc[4 * u], kc[4 * u + 1], kc[4 * u + 2], kc[4 * u + 3] = w0, w1, w2, w3
+                    vc[4 * u], vc[4 * u + 1], vc[4 * u + 2], vc[4 * u + 3] = x0, x1, x2, x3
+            kq += KPB * k_row
+            vq += KPB * v_row
+
+            # ---- partial dots over this lane's 8 dims, then summed over the lane group
+            for u in range(U):
+                for x in range(4):
+                    kf[2 * x] = mh.bf16_lo(kc[4 * u + x])
+                    kf[2 * x + 1] = mh.bf16_hi(kc[4 * u + x])
+                for h in range(G):
+                    a = float32(0.0)
+                    for x in range(8):
+                        a += qr[8 * h + x] * kf[x]
+                    s[u * G + h] = a
+            _group_sum(s, SN, L)
+            for u in range(U):
+                if r0 + u >= n:
+                    for h in range(G):
+                        s[u * G + h] = NEG_INF
+
+            # ---- online softmax (base 2) per head
+            for h in range(G):
+                mx = s[h]
+                for u in range(1, U):
+                    mx = max(mx, s[u * G + h])
+                m_old = st[MO + h]
+                m_new = max(m_old, mx)
+                corr = _exp2(m_old - m_new)
+                st[MO + h] = m_new
+                ps = float32(0.0)
+                for u in range(U):
+                    p = _exp2(s[u * G + h] - m_new)
+                    s[u * G + h] = p
+                    ps += p
+                st[LO + h] = st[LO + h] * corr + ps
+                for x in range(8):
+                    st[8 * h + x] *= corr
+            for u in range(U):
+                for x in range(4):
+                    lo, hi = mh.bf16_lo(vc[4 * u + x]), mh.bf16_hi(vc[4 * u + x])
+                    for h in range(G):
+                        p = s[u * G + h]
+                        st[8 * h + 2 * x] += p * lo
+                        st[8 * h + 2 * x + 1] += p * hi
+
+        # ---- merge the warp's lane groups (xor over the group bits), then the warps through shared memory
+        ot = cuda.local.array(NST, float32)
+        for j in range(LOGR):
+            _xor_get(st, ot, NST, L << j)
+            for h in range(G):
+                m_a, m_b = st[MO + h], ot[MO + h]
+                m_new = max(m_a, m_b)
+                fa, fb = _exp2(m_a - m_new), _exp2(m_b - m_new)
+                st[MO + h] = m_new
+                st[LO + h] = st[LO + h] * fa + ot[LO + h] * fb
+                for x in range(8):
+                    st[8 * h + x] = st[8 * h + x] * fa + ot[8 * h + x] * fb
+        if lane < L:
+            for h in range(G):
+                for x in range(8):
+                    sm_o[wid, h, d0 + x] = st[8 * h + x]
+                if lane == 0:
+                    sm_s[wid, h] = st[MO + h]
+                    sm_s[wid, G + h] = st[LO + h]
         cuda.syncthreads()
-        for i in range(tid, G * D, THREADS):
+        for i in range(tid, G * D, THR):
             h, d = i // D, i % D
-            s = float32(0.0)
-            for lane in range(NKV):
-                s += scr[(lane * G + h) * D + d]
-            part_o[b, h0 + h, sp, d] = s
+            m = sm_s[0, h]
+            for w in range(1, W):
+                m = max(m, sm_s[w, h])
+            o = float32(0.0)
+            for w in range(W):
+                o += _exp2(sm_s[w, h] - m) * sm_o[w, h, d]
+            part_o[b, h0 + h, sp, d] = o
+        if tid < G:
+            m = sm_s[0, tid]
+            for w in range(1, W):
+                m = max(m, sm_s[w, tid])
+            lsum = float32(0.0)
+            for w in range(W):
+                lsum += _exp2(sm_s[w, tid] - m) * sm_s[w, G + tid]
+            part_m[b, h0 + tid, sp] = m
+            part_l[b, h0 + tid, sp] = lsum
 
     return split
 
 
 # ----------------------------------------------------------------------------- pass 2
 
-def _make_combine(D):
-    E = D // 32            # dims per thread: d = dim_lane + 32 e
-    SL = C_SPLIT_LANES
+def _make_combine(D, T=None, CU=None):
+    T = C_THREADS if T is None else T
+    CU = C_UNROLL if CU is None else CU
+    DL = D // 4            # dim lanes, 4 contiguous dims each
+    SL = T // DL           # split lanes
+    CU4 = 4 * CU
 
-    @mh.kernel(C_THREADS)
+    @mh.kernel(T)
     def combine(part_m, part_l, part_o, seq_len, out, chunk):
         # part_*: as in pass 1; out: [B, Hq, D] u16
-        red = cuda.shared.array(C_THREADS, float32)
-        osh = cuda.shared.array((SL, D), float32)
-        dsh = cuda.shared.array(SL, float32)
+        sm_s = cuda.shared.array((2, SL), float32)
+        sm_o = cuda.shared.array((SL, D), float32)
         h, b = cuda.blockIdx.x, cuda.blockIdx.y
         tid = cuda.threadIdx.x
+        sl, d0 = tid // DL, 4 * (tid % DL)
         ns = part_m.shape[2]
         n_active = min((seq_len[b] + chunk - 1) // chunk, ns)
-        m = NEG_INF
-        for s in range(tid, n_active, C_THREADS):
-            m = max(m, part_m[b, h, s])
-        m = mh.block_reduce(red, m, True)
-        sl, dl = tid // 32, tid % 32
-        acc = cuda.local.array(E, float32)
-        for e in range(E):
-            acc[e] = 0.0
+        m = M_INIT
         den = float32(0.0)
-        for s in range(sl, n_active, SL):
-            w = math.exp(part_m[b, h, s] - m)
-            den += w * part_l[b, h, s]
-            for e in range(E):
-                acc[e] += w * part_o[b, h, s, dl + 32 * e]
-        for e in range(E):
-            osh[sl, dl + 32 * e] = acc[e]
-        if dl == 0:
-            dsh[sl] = den
+        acc = cuda.local.array(4, float32)
+        pm = cuda.local.array(CU, float32)
+        pl = cuda.local.array(CU, float32)
+        po = cuda.local.array(CU4, float32)
+        for e in range(4):
+            acc[e] = 0.0
+        for s0 in range(sl * CU, n_active, SL * CU):
+            for c in range(CU):                    # every load of the step first
+                if s0 + c < n_active:
+                    pm[c] = part_m[b, h, s0 + c]
+                    pl[c] = part_l[b, h, s0 + c]
+                    for e in range(4):
+                        po[4 * c + e] = part_o[b, h, s0 + c, d0 + e]
+                else:
+                    pm[c] = NEG_INF
+                    pl[c] = 0.0
+                    for e in range(4):
+                        po[4 * c + e] = 0.0
+            mx = pm[0]
+            for c in range(1, CU):
+                mx = max(mx, pm[c])
+            m_new = max(m, mx)
+            corr = _exp2(m - m_new)
+            den *= corr
+            for e in range(4):
+                acc[e] *= corr
+            for c in range(CU):
+                wgt = _exp2(pm[c] - m_new)
+                den += wgt * pl[c]
+                for e in range(4):
+                    acc[e] += wgt * po[4 * c + e]
+            m = m_new
+        for e in range(4):
+            sm_o[sl, d0 + e] = acc[e]
+        if d0 == 0:
+            sm_s[0, sl] = m
+            sm_s[1, sl] = den
         cuda.syncthreads()
-        for d in range(tid, D, C_THREADS):
+        for d in range(tid, D, T):
+            mm = sm_s[0, 0]
+            for i in range(1, SL):
+                mm = max(mm, sm_s[0, i])
             tot = float32(0.0)
             dd = float32(0.0)
             for i in range(SL):
-                tot += osh[i, d]
-                dd += dsh[i]
+                wgt = _exp2(sm_s[0, i] - mm)
+                tot += wgt * sm_o[i, d]
+                dd += wgt * sm_s[1, i]
             out[b, h, d] = dev_f32_to_bf16(tot / dd) if n_active > 0 else 0
 
     return combine
@@ -333,19 +517,20 @@ def launch(q, k, v, seq_len, out, workspace, *, scale=None, stream):
     part_m, part_l = part["m"].reshape(B, Hq, ns), part["l"].reshape(B, Hq, ns)
     part_o = part["o"].reshape(B, Hq, ns, D)
     st = la.as_stream(stream)
-    _kernel("split", G, D)[(ns, Hkv, B), THREADS, st](
+    _kernel("split", G, D, WARPS, KEYS, PREFETCH, MIN_BLOCKS, FLAT_LOADS)[(ns, Hkv, B), 32 * WARPS, st](
         q, k, v, seq_len, part_m, part_l, part_o, chunk, float32(scale))
-    _kernel("combine", D)[(Hq, B), C_THREADS, st](part_m, part_l, part_o, seq_len, out, chunk)
+    _kernel("combine", D, C_THREADS, C_UNROLL)[(Hq, B), C_THREADS, st](
+        part_m, part_l, part_o, seq_len, out, chunk)
 
 
 # ----------------------------------------------------------------------------- compile check
 
 _U16_3D, _U16_4D = "uint16[:, :, ::1]", "uint16[:, :, :, ::1]"
 _F32_3D, _F32_4D = "float32[:, :, ::1]", "float32[:, :, :, ::1]"
+_SPLIT_SIG = f"void({_U16_3D}, {_U16_4D}, {_U16_4D}, int32[::1], {_F32_3D}, {_F32_3D}, {_F32_4D}, int64, float32)"
 SIGNATURES = (
-    [(_make_split(G, D).py_func,
-      f"void({_U16_3D}, {_U16_4D}, {_U16_4D}, int32[::1], {_F32_3D}, {_F32_3D}, {_F32_4D}, int64, float32)")
-     for G in (4, 1) for D in HEAD_DIMS]
+    [(_make_split(G, D).py_func, _SPLIT_SIG) for G in (4, 1) for D in HEAD_DIMS]
+    + [(_make_split(4, D, FLAT=not FLAT_LOADS).py_func, _SPLIT_SIG) for D in HEAD_DIMS]   # the other addressing
     + [(_make_combine(D).py_func, f"void({_F32_3D}, {_F32_3D}, {_F32_4D}, int32[::1], {_U16_3D}, int64)")
        for D in HEAD_DIMS]
 )

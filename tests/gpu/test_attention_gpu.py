@@ -133,6 +133,14 @@ def test_decode_batch_head_dim_64(stream):
     assert_bf16_close(got, ref, 2e-3)
 
 
+@pytest.mark.parametrize("B,Hkv,Dh,S_max,lengths", [(1, HKV, D, 32768, [30001]), (3, 4, 64, 4096, [5, 4000, 4096])])
+def test_decode_flat_loads_variant(stream, monkeypatch, B, Hkv, Dh, S_max, lengths):
+    # the running-offset K/V loads (FLAT_LOADS, 128 registers instead of 168): same results
+    monkeypatch.setattr(ad, "FLAT_LOADS", True)
+    got, ref = decode_case(stream, B, Hkv, Dh, S_max, lengths, seed=5)
+    assert_bf16_close(got, ref, 2e-3)
+
+
 def test_i7_decode_short_view_on_device(stream):
     req = ad.workspace_requirement(1, HQ, HKV, D, 4096)
     q = cuda.to_device(np.zeros((1, HQ, D), np.uint16))

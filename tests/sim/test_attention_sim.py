@@ -135,6 +135,12 @@ def test_prefill_formulas():
 
 # ---------------------------------------------------------------------------------------- decode
 
+@pytest.fixture(autouse=True)
+def _small_decode_combine(monkeypatch):
+    # one Python thread per CUDA thread: a 128-thread combine (4 or 8 split lanes) keeps the decode cases fast
+    monkeypatch.setattr(ad, "C_THREADS", 128)
+
+
 def run_decode(B, Hq, Hkv, D, S_max, lengths, three_d=False, seed=1):
     rng = np.random.default_rng(seed)
     q = bf16(rng, (B, Hq, D))
@@ -161,6 +167,21 @@ def test_decode_device_length(switch_interval, B, D, S_max, lengths, three_d):
     assert_bf16_close(got, ref, 2e-3)
 
 
+@pytest.mark.parametrize("switch_interval", [5e-4], indirect=True)
+@pytest.mark.parametrize("W,U,PF,FLAT,D,S_max,lengths", [
+    (2, 2, False, True, 128, 150, [129]),   # no prefetch; 16 keys a step, 4 steps in a full split, 1 key in the last
+    (1, 8, True, True, 64, 100, [37, 70]),  # prefetch across 2 steps of 32 keys; one warp, four streams
+    (4, 4, True, True, 128, 150, [129]),    # the default shape with running-offset loads
+])
+def test_decode_pass1_variants(switch_interval, monkeypatch, W, U, PF, FLAT, D, S_max, lengths):
+    # the swept pass-1 shapes (warps per block, keys per stream step, prefetch, load addressing) index
+    # the same keys
+    for name, val in (("WARPS", W), ("KEYS", U), ("PREFETCH", PF), ("FLAT_LOADS", FLAT)):
+        monkeypatch.setattr(ad, name, val)
+    got, ref = run_decode(len(lengths), 4, 2, D, S_max, lengths, seed=3)
+    assert_bf16_close(got, ref, 2e-3)
+
+
 def test_i7_decode_requirement_and_short_view():
     B, Hq, Hkv, D, S_max = 2, 4, 2, 64, 100
     chunk, ns = ad.plan(B, Hkv, S_max, Hq // Hkv)
@@ -178,9 +199,13 @@ def test_i7_decode_requirement_and_short_view():
 
 
 def test_decode_plan_fills_an_h200():
-    # 32 query / 8 KV heads, S_max 32768: 128 splits x 8 heads = 1024 blocks; the split count follows
-    # S_max (the capture bound), not the length
-    assert ad.plan(1, 8, 32768, 4) == (256, 128)
-    assert ad.plan(1, 8, 4096, 4) == (64, 64)
-    assert ad.plan(1, 8, 32768, 8)[0] <= 2048 // 8
+    # 32 query / 8 KV heads: one wave of resident pass-1 blocks at S_max (the capture bound), not at the
+    # length; the split count follows S_max
+    resident = ad.RESIDENT_WARPS // ad.WARPS
+    for S_max in (4096, 32768):
+        chunk, ns = ad.plan(1, 8, S_max, 4)
+        assert chunk in ad.CHUNKS and ns == -(-S_max // chunk)
+        assert 8 * ns <= resident or chunk == ad.CHUNKS[0]
+        assert all(8 * -(-S_max // c) > resident for c in ad.CHUNKS if c < chunk)
+    assert ad.plan(1, 8, 32768, 8) == ad.plan(1, 8, 32768, 4)
     assert ad.flops(1, 32, 128, [100]) == 4 * 128 * 32 * 100
