@@ -9,6 +9,7 @@ from .errors import (  # noqa: F401
     CapacityError,
     CaptureError,
     ConfigError,
+    ContextLengthError,
     DriverError,
     VmmstreamError,
     WorkspaceShortfall,
@@ -17,3 +18,15 @@ from .errors import (  # noqa: F401
 __version__ = "0.1.0"
 
 from .budget import parse_budget  # noqa: E402,F401
+
+
+def __getattr__(name):
+    # load_model and Model import the execution layer (and, at load time, Numba): only when asked for.
+    if name in ("load_model", "Model"):
+        from . import api
+        return getattr(api, name)
+    raise AttributeError(f"module 'vmmstream' has no attribute {name!r}")
+
+
+__all__ = ["load_model", "Model", "parse_budget", "BudgetError", "CapacityError", "CaptureError", "ConfigError",
+           "ContextLengthError", "DriverError", "VmmstreamError", "WorkspaceShortfall"]

@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--backend", default=None, choices=("cuda", "host", "auto"))
     info.set_defaults(fn=_info)
     from .cli_model import add_subcommands; add_subcommands(sub)
+    from .cli_run import add_subcommands as add_run; add_run(sub)
     return p
 
 

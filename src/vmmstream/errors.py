@@ -57,3 +57,15 @@ class WorkspaceShortfall(VmmstreamError, ValueError):
         self.kernel = kernel
         self.needed = needed
         self.given = given
+
+
+class ContextLengthError(VmmstreamError, ValueError):
+    """A generation that would need more positions than the model's KV cache was planned for (``max_context``).
+
+    Raised before anything is launched.
+    """
+
+    def __init__(self, message: str, *, requested: int = 0, max_context: int = 0):
+        super().__init__(message)
+        self.requested = requested
+        self.max_context = max_context

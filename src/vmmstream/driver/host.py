@@ -73,6 +73,8 @@ class HostDriver(Driver):
         self.allocs: dict[int, int] = {}                     # plain allocations: ptr -> size
         self.host_allocs: dict[int, tuple[mmap.mmap, int]] = {}
         self._physical = 0
+        # Open captures (id of the op list -> streams that joined it by waiting on an event recorded in it).
+        self._captures: dict[int, list] = {}
 
     # -- information --
     def granularity(self) -> int:
@@ -248,6 +250,10 @@ class HostDriver(Driver):
         pass
 
     def _event_record(self, event: Event, stream: Stream) -> None:
+        hs = stream.backend_obj if stream is not None else None
+        # As on CUDA, an event recorded inside a capture lets another stream join it by waiting on it.
+        event.backend_obj["capture"] = hs.capture if hs is not None else None
+
         def op():
             event.backend_obj["t"] = time.perf_counter()
         self._run(stream, op)
@@ -265,7 +271,11 @@ class HostDriver(Driver):
         return (b - a) * 1e3
 
     def _stream_wait_event(self, stream: Stream, event: Event) -> None:
-        pass
+        cap = event.backend_obj.get("capture")
+        hs = stream.backend_obj
+        if cap is not None and id(cap) in self._captures and hs.capture is None:
+            hs.capture = cap                       # this stream's work is now part of that capture
+            self._captures[id(cap)].append(hs)
 
     def _stream_synchronize(self, stream: Stream) -> None:
         pass
@@ -295,12 +305,15 @@ class HostDriver(Driver):
         if hs.capture is not None:
             raise _fail("cuStreamBeginCapture", "CUDA_ERROR_ILLEGAL_STATE", "stream is already capturing")
         hs.capture = []
+        self._captures[id(hs.capture)] = []
 
     def _end_capture(self, stream: Stream) -> Graph:
         hs = stream.backend_obj
         if hs.capture is None:
             raise _fail("cuStreamEndCapture", "CUDA_ERROR_ILLEGAL_STATE", "stream is not capturing")
         ops, hs.capture = hs.capture, None
+        for joined in self._captures.pop(id(ops), []):
+            joined.capture = None
         return Graph(ops=ops, node_count=len(ops))
 
     def _graph_instantiate(self, graph: Graph) -> Graph:

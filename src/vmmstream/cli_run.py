@@ -1,0 +1,165 @@
+"""``vmmstream generate`` and ``vmmstream demo``: load a checkpoint under a budget and generate."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+
+from .budget import format_bytes
+
+
+def add_subcommands(subparsers) -> None:
+    """Register ``generate`` and ``demo`` on the ``vmmstream`` parser's subparsers."""
+    gen = subparsers.add_parser(
+        "generate", help="load a checkpoint under a budget and continue a prompt",
+        description="Load MODEL (a Hugging Face checkpoint directory) within the device memory budget, keeping "
+                    "what fits resident and streaming the rest, and generate tokens (greedy by default).")
+    gen.add_argument("model", metavar="MODEL")
+    gen.add_argument("--budget", default=None, help="device memory budget, e.g. 2GiB (default: VMMSTREAM_BUDGET, "
+                                                    "else auto = 0.9 x free)")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (needs tokenizer.json in MODEL)")
+    src.add_argument("--ids", type=_ids, help="prompt token ids, comma separated: 1,2,3")
+    gen.add_argument("--max-new-tokens", type=_positive, default=32)
+    gen.add_argument("--max-context", type=_positive, default=None,
+                     help="positions the KV cache holds (default: min(4096, max_position_embeddings))")
+    gen.add_argument("--slots", type=_positive, default=None, help="streaming slots K >= 2 (default 2)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--backend", default=None, choices=("cuda", "host", "auto"))
+    gen.add_argument("--plan", action="store_true", help="print the plan before generating")
+    gen.add_argument("--stats", action="store_true", help="print the counters after generating")
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.set_defaults(fn=_generate)
+
+    demo = subparsers.add_parser(
+        "demo", help="make a small checkpoint, load it under a budget below its size, generate, print plan and stats",
+        description="The main job in one command: writes a random-weight checkpoint of a preset into a temporary "
+                    "directory, loads it under a budget that forces part of it to stream, generates, and prints "
+                    "the plan, the tokens and the counters. Runs on the host backend when there is no GPU.")
+    demo.add_argument("--preset", default=None,
+                      help="preset to build (default: 'small' on a GPU, 'tiny' on the host backend)")
+    demo.add_argument("--budget", default=None, help="budget (default: the floor plus half the weights)")
+    demo.add_argument("--max-new-tokens", type=_positive, default=16)
+    demo.add_argument("--backend", default=None, choices=("cuda", "host", "auto"))
+    demo.add_argument("--json", action="store_true", help="print one JSON object")
+    demo.set_defaults(fn=_demo)
+
+
+def _generate(args) -> int:
+    from .api import load_model
+    from .errors import VmmstreamError
+    t0 = time.perf_counter()
+    with load_model(args.model, args.budget, max_context=args.max_context, slots=args.slots,
+                    backend=args.backend) as model:
+        load_s = time.perf_counter() - t0
+        if args.plan and not args.json:
+            print(model.plan)
+        prompt = args.prompt if args.prompt is not None else args.ids
+        if args.prompt is not None and model.tokenizer is None:
+            raise VmmstreamError(f"{args.model} has no tokenizer.json; pass --ids instead of --prompt")
+        t1 = time.perf_counter()
+        out = model.generate(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                             top_p=args.top_p, seed=args.seed)
+        gen_s = time.perf_counter() - t1
+        stats = model.stats()
+        if args.json:
+            print(json.dumps({"output": out, "load_s": load_s, "generate_s": gen_s, "plan": model.plan.to_dict(),
+                              "stats": stats}, indent=2, default=str))
+            return 0
+        print(out if isinstance(out, str) else ",".join(map(str, out)))
+        if args.stats:
+            _print_stats(stats, gen_s)
+    return 0
+
+
+def _demo(args) -> int:
+    from .api import load_model, workspace_peaks
+    from .driver import resolve_backend
+    from .model import get_preset, make_checkpoint, open_checkpoint
+    from .planning import PREFILL_CHUNK, make_plan
+    backend = resolve_backend(args.backend)
+    preset = get_preset(args.preset or ("small" if backend == "cuda" else "tiny"))
+    max_context = min(256, preset.config.max_position_embeddings)
+    with tempfile.TemporaryDirectory(prefix="vmmstream-demo-") as tmp:
+        make_checkpoint(preset, tmp, seed=0)
+        ck = open_checkpoint(tmp)
+        budget = args.budget
+        if budget is None:
+            # the floor plus half the weights: a budget below the model's size, so some of it streams
+            from .driver import open_driver
+            drv = open_driver(backend)
+            try:
+                gran = drv.granularity()
+            finally:
+                drv.close()
+            ws = workspace_peaks(ck.config, max_context, min(PREFILL_CHUNK, max_context))
+            full = make_plan(ck.config, ck.tensors, 1 << 50, max_context=max_context, granularity=gran, workspace=ws)
+            budget = full.floor + full.weight_bytes // 2
+        size = sum(t.nbytes for t in ck.tensors.values())
+        with load_model(tmp, budget, max_context=max_context, backend=backend) as model:
+            prompt = [1, 2, 3, 4]
+            t0 = time.perf_counter()
+            ids = model.generate(prompt, args.max_new_tokens)
+            gen_s = time.perf_counter() - t0
+            stats = model.stats()
+            if args.json:
+                print(json.dumps({"preset": preset.name, "backend": backend, "checkpoint_bytes": size,
+                                  "budget": model.plan.budget, "prompt": prompt, "output": ids,
+                                  "plan": model.plan.to_dict(), "stats": stats}, indent=2, default=str))
+                return 0
+            p = model.plan
+            print(f"vmmstream demo: preset {preset.name} ({preset.config.n_params():,} parameters, "
+                  f"{format_bytes(size)} bf16) on the {backend} backend. Fully resident it needs "
+                  f"{format_bytes(p.weight_bytes + p.floor - p.slot_count * p.slot_bytes)} of device memory "
+                  f"(weights in whole {format_bytes(p.granularity)} granules + KV, workspace, activations); "
+                  f"the budget is {format_bytes(p.budget)}, so {format_bytes(p.streamed_bytes_per_token)} "
+                  "stream every token")
+            print(model.plan)
+            print(f"prompt {prompt} -> {args.max_new_tokens} new tokens: {ids}")
+            _print_stats(stats, gen_s)
+    return 0
+
+
+def _print_stats(s: dict, seconds: float) -> None:
+    print("stats:")
+    keys = ("strategy", "prefill_tokens", "decode_tokens", "graph_captures", "graph_replays", "page_ins",
+            "page_in_bytes", "streamed_bytes_per_token", "byte_hit_rate", "h2d_gbps", "decode_tokens_per_s",
+            "tokens_per_s_bound", "vmm_calls_per_decode_token", "kv_committed", "committed", "peak_committed",
+            "budget")
+    for k in keys:
+        v = s.get(k)
+        if isinstance(v, float):
+            v = f"{v:,.3f}"
+        elif isinstance(v, int) and k in ("page_in_bytes", "streamed_bytes_per_token", "kv_committed", "committed",
+                                          "peak_committed", "budget"):
+            v = f"{v:,} ({format_bytes(v)})"
+        print(f"  {k:<28} {v}")
+    print(f"  {'generate wall time':<28} {seconds:.3f} s (host clock, includes prefill)")
+    print("  (h2d and decode rates are device time from CUDA events; on the host backend, emulated stream time)",
+          file=sys.stdout)
+
+
+def _ids(text: str) -> list:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("give at least one token id")
+    return ids
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
+    return v

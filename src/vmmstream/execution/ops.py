@@ -1,0 +1,219 @@
+"""The launch adapter: one place that turns a device address + shape into an array and launches a kernel.
+
+Both backends offer the same methods, each taking the stream first and arrays made by ``view``:
+
+* ``cuda``: ``view`` wraps the address as a Numba device array (``__cuda_array_interface__``); a method
+  launches the kernel module's Numba kernel on the package's stream (an external Numba stream over our
+  ``CUstream``), so launches join stream captures.
+* ``host``: ``view`` is a NumPy view over the same address (the host backend's memory is real process
+  memory); a method records the kernel module's NumPy reference with ``driver.launch_host_func`` — in
+  stream order, and inside captures, where it becomes a node of the recorded graph. A reference reads its
+  inputs when it runs, not when it is recorded, so a replayed graph sees what earlier nodes wrote.
+
+Numba is imported here and in the kernel modules only, and only when an adapter is made.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import numpy as np
+
+
+def make_ops(driver):
+    return CudaOps(driver) if driver.backend == "cuda" else HostOps(driver)
+
+
+class HostOps:
+    backend = "host"
+
+    def __init__(self, driver):
+        from vmmstream.kernels import (attention_decode, attention_prefill, elementwise, embedding, gemm,
+                                       gemv, norm, rope, sampling, scalars)
+        from vmmstream.kernels.dtypes import f32_to_bf16
+        self.driver = driver
+        self.k = dict(attention_decode=attention_decode, attention_prefill=attention_prefill,
+                      elementwise=elementwise, embedding=embedding, gemm=gemm, gemv=gemv, norm=norm, rope=rope,
+                      sampling=sampling, scalars=scalars)
+        self._bf16 = f32_to_bf16
+        self.launches = 0
+
+    # -- arrays --
+    def view(self, va: int, shape, dtype):
+        dtype = np.dtype(dtype)
+        shape = tuple(int(s) for s in shape)
+        n = math.prod(shape) * dtype.itemsize
+        buf = (ctypes.c_uint8 * max(n, 1)).from_address(va)
+        return np.frombuffer(buf, dtype=np.uint8, count=n).view(dtype).reshape(shape)
+
+    def _run(self, stream, fn):
+        self.launches += 1
+        self.driver.launch_host_func(stream, fn)
+
+    def _store(self, out, value):
+        """Write an fp32 result into ``out``: rounded to bf16 when ``out`` holds bf16 bits."""
+        value = np.asarray(value)
+        out[...] = self._bf16(value).reshape(out.shape) if out.dtype == np.uint16 else value.reshape(out.shape)
+
+    # -- kernels (NumPy references) --
+    def embedding(self, s, table, ids, out):
+        self._run(s, lambda: self._copy(out, self.k["embedding"].reference(table, ids)))
+
+    @staticmethod
+    def _copy(out, value):
+        out[...] = value
+
+    def rmsnorm(self, s, x, w, out, eps, residual=None):
+        ref = self.k["norm"].reference
+
+        def run():
+            if residual is None:
+                out[...] = ref(x, w, eps)
+            else:
+                o, r = ref(x, w, eps, residual=residual)
+                residual[...] = r
+                out[...] = o
+        self._run(s, run)
+
+    def gemv(self, s, w, x, out, bias=None):
+        self._run(s, lambda: self._store(out, self.k["gemv"].reference(w, x, bias)))
+
+    def gemm(self, s, x, w, out, bias=None):
+        self._run(s, lambda: self._store(out, self.k["gemm"].reference(x, w, bias)))
+
+    def rope(self, s, q, k, positions, inv_freq):
+        ref = self.k["rope"].reference
+
+        def run():
+            q[...] = ref(q, positions, inv_freq)
+            k[...] = ref(k, positions, inv_freq)
+        self._run(s, run)
+
+    def kv_append(self, s, k, v, ck, cv, positions):
+        def run():
+            for t, p in enumerate(np.asarray(positions)):
+                if 0 <= p < ck.shape[0]:
+                    ck[p] = k[t]
+                    cv[p] = v[t]
+        self._run(s, run)
+
+    def attn_prefill(self, s, q, ck, cv, out, ws, start_pos):
+        ref = self.k["attention_prefill"].reference
+        self._run(s, lambda: self._store(out, ref(q, ck, cv, start_pos=start_pos)))
+
+    def attn_decode(self, s, q, ck, cv, seq_len, out, ws):
+        ref = self.k["attention_decode"].reference
+        self._run(s, lambda: self._store(out, ref(q, ck, cv, seq_len)))
+
+    def silu_mul(self, s, gate, up, out):
+        ref = self.k["elementwise"].reference_silu_mul
+        self._run(s, lambda: self._copy(out, ref(gate, up)))
+
+    def argmax(self, s, logits, out_ids, ws):
+        ref = self.k["sampling"].reference_argmax
+        self._run(s, lambda: self._copy(out_ids, ref(logits)))
+
+    def sample(self, s, logits, out_ids, rng, temperature, top_k, top_p):
+        ref = self.k["sampling"].reference_sample
+
+        def run():
+            out_ids[...] = ref(logits, rng.copy(), temperature, top_k, top_p)
+            rng[1] += np.uint64(1)         # the kernel advances its Philox offset once per launch
+        self._run(s, run)
+
+    def advance(self, s, next_ids, input_ids, positions, seq_lens, out_tokens):
+        ref = self.k["scalars"].reference
+
+        def run():
+            inp, pos, lens, toks = ref(next_ids, input_ids, positions, seq_lens, out_tokens)
+            input_ids[...], positions[...], seq_lens[...], out_tokens[...] = inp, pos, lens, toks
+        self._run(s, run)
+
+
+class CudaOps:
+    backend = "cuda"
+
+    def __init__(self, driver):
+        from numba import cuda
+
+        from vmmstream.kernels import (attention_decode, attention_prefill, elementwise, embedding, gemm,
+                                       gemv, norm, rope, sampling, scalars)
+        self.cuda = cuda
+        self.driver = driver
+        self.k = dict(attention_decode=attention_decode, attention_prefill=attention_prefill,
+                      elementwise=elementwise, embedding=embedding, gemm=gemm, gemv=gemv, norm=norm, rope=rope,
+                      sampling=sampling, scalars=scalars)
+        self._kv_kernel = None
+        self.launches = 0
+
+    def view(self, va: int, shape, dtype):
+        dtype = np.dtype(dtype)
+        shape = tuple(int(s) for s in shape)
+
+        class _Cai:
+            __cuda_array_interface__ = {"shape": shape, "typestr": dtype.str, "data": (int(va), False),
+                                        "version": 3, "strides": None}
+        return self.cuda.as_cuda_array(_Cai(), sync=False)
+
+    @staticmethod
+    def _s(stream):
+        return stream.handle
+
+    def embedding(self, s, table, ids, out):
+        self.launches += 1
+        self.k["embedding"].embedding(table, ids, out, stream=self._s(s))
+
+    def rmsnorm(self, s, x, w, out, eps, residual=None):
+        self.launches += 1
+        self.k["norm"].rmsnorm(x, w, out, eps=eps, residual=residual, stream=self._s(s))
+
+    def gemv(self, s, w, x, out, bias=None):
+        self.launches += 1
+        self.k["gemv"].gemv(w, x, out, bias=bias, stream=self._s(s))
+
+    def gemm(self, s, x, w, out, bias=None):
+        self.launches += 1
+        self.k["gemm"].gemm(x, w, out, bias=bias, stream=self._s(s))
+
+    def rope(self, s, q, k, positions, inv_freq):
+        self.launches += 1
+        self.k["rope"].apply_rope(q, k, positions, inv_freq, stream=self._s(s))
+
+    def kv_append(self, s, k, v, ck, cv, positions):
+        if self._kv_kernel is None:
+            from .kv_kernel import kv_append_kernel
+            self._kv_kernel = kv_append_kernel
+        t, h, d = k.shape
+        n = t * h * d
+        if n:
+            from vmmstream.kernels.launch import as_stream
+            self.launches += 1
+            self._kv_kernel[(n + 255) // 256, 256, as_stream(self._s(s))](k, v, ck, cv, positions, h, d, n)
+
+    def attn_prefill(self, s, q, ck, cv, out, ws, start_pos):
+        self.launches += 1
+        self.k["attention_prefill"].launch(q, ck, cv, out, ws, start_pos=start_pos, stream=self._s(s))
+
+    def attn_decode(self, s, q, ck, cv, seq_len, out, ws):
+        self.launches += 1
+        self.k["attention_decode"].launch(q, ck, cv, seq_len, out, ws, stream=self._s(s))
+
+    def silu_mul(self, s, gate, up, out):
+        self.launches += 1
+        self.k["elementwise"].silu_mul(gate, up, out, stream=self._s(s))
+
+    def argmax(self, s, logits, out_ids, ws):
+        self.launches += 1
+        self.k["sampling"].argmax(logits, out_ids, workspace=ws, stream=self._s(s))
+
+    def sample(self, s, logits, out_ids, rng, temperature, top_k, top_p):
+        self.launches += 1
+        self.k["sampling"].sample(logits, out_ids, rng, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  stream=self._s(s))
+
+    def advance(self, s, next_ids, input_ids, positions, seq_lens, out_tokens):
+        self.launches += 1
+        self.k["scalars"].advance(next_ids, input_ids, positions, seq_lens, out_tokens=out_tokens,
+                                  stream=self._s(s))
+

@@ -1,0 +1,156 @@
+"""The op sequence of one step of a dense Llama / Mistral / Qwen2 decoder, for prefill (T tokens) and decode (1).
+
+Per layer (x: the residual stream, xn: its normed copy):
+    q, k, v = xn · Wq/k/vᵀ (+ bias)         gemm (prefill) | gemv (decode)
+    rope(q, k) at the device positions; k, v appended to the cache at those positions
+    attn = attention(q, cache[:len])         prefill: causal from start_pos; decode: seq_len read on device
+    proj = attn · Woᵀ;  x += proj; xn = norm(x) · post_ln             (one fused rmsnorm)
+    gate, up = xn · Wg/Wuᵀ;  gate = silu(gate) · up;  proj = gate · Wdᵀ
+    x += proj; xn = norm(x) · (next layer's input_layernorm | model.norm)
+then logits = xn[last] · lm_headᵀ (fp32). Weights are read in exactly ``config.decode_schedule()`` order;
+every read of a streamed tensor is bracketed by the ``Streamer`` (wait for its copy, free its slot after).
+
+Everything lives at a stable VA (weights, slots, KV, workspace, activations, device scalars), so the same
+sequence is launched eagerly and inside a capture.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..errors import VmmstreamError
+
+_ALIGN = 256
+
+
+class Activations:
+    """Named buffers for up to ``tmax`` tokens, sub-allocated in one block at a stable VA (role ``activations``)."""
+
+    def __init__(self, mem, ops, config, plan, holder: str, tmax: int):
+        c = config
+        h, qd, kvd, inter, v = c.hidden_size, c.q_dim, c.kv_dim, c.intermediate_size, c.vocab_size
+        self.tmax, self.ops = tmax, ops
+        # name -> (per-token shape or fixed shape, dtype, scales with T)
+        self.spec = {
+            "x": ((h,), np.uint16, True), "xn": ((h,), np.uint16, True), "proj": ((h,), np.uint16, True),
+            "attn": ((qd,), np.uint16, True), "q": ((qd,), np.uint16, True), "k": ((kvd,), np.uint16, True),
+            "v": ((kvd,), np.uint16, True), "gate": ((inter,), np.uint16, True), "up": ((inter,), np.uint16, True),
+            "ids": ((), np.int32, True), "pos": ((), np.int32, True),
+            "logits": ((1, v), np.float32, False),
+            "next": ((1,), np.int32, False), "inp": ((1,), np.int32, False),
+            "positions": ((1,), np.int32, False), "lens": ((1,), np.int32, False),
+            "rng": ((4,), np.uint64, False), "out_tokens": ((1, plan.max_context), np.int32, False),
+            "inv_freq": ((c.head_dim // 2,), np.float32, False),
+        }
+        self.offsets, off = {}, 0
+        for name, (shape, dt, per_t) in self.spec.items():
+            n = math.prod(shape) * np.dtype(dt).itemsize * (tmax if per_t else 1)
+            self.offsets[name] = off
+            off = -(-(off + n) // _ALIGN) * _ALIGN
+        self.nbytes = off
+        if off > plan.activations:
+            raise VmmstreamError(f"activation layout needs {off} bytes, the plan has {plan.activations}; "
+                                 "the planner's activation estimate is too small for this model")
+        self.block = mem.allocate(plan.activations, role="activations", holder=holder, arena="activations")
+        self.va = self.block.va
+        self._views: dict = {}
+        self.config = c
+
+    def addr(self, name: str) -> int:
+        return self.va + self.offsets[name]
+
+    def views(self, t: int):
+        """Views of every buffer for ``t`` tokens (prefixes of the ``tmax`` buffers); cached per ``t``."""
+        if t not in self._views:
+            c, v = self.config, {}
+            for name, (shape, dt, per_t) in self.spec.items():
+                full = ((t,) + shape) if per_t else shape
+                v[name] = self.ops.view(self.addr(name), full, dt)
+            v["q3"] = self.ops.view(self.addr("q"), (t, c.num_attention_heads, c.head_dim), np.uint16)
+            v["k3"] = self.ops.view(self.addr("k"), (t, c.num_key_value_heads, c.head_dim), np.uint16)
+            v["v3"] = self.ops.view(self.addr("v"), (t, c.num_key_value_heads, c.head_dim), np.uint16)
+            v["attn3"] = self.ops.view(self.addr("attn"), (t, c.num_attention_heads, c.head_dim), np.uint16)
+            v["xn_last"] = self.ops.view(self.addr("xn") + (t - 1) * c.hidden_size * 2, (1, c.hidden_size),
+                                         np.uint16)
+            self._views[t] = _NS(v)
+        return self._views[t]
+
+
+class _NS:
+    def __init__(self, d):
+        self.__dict__.update(d)
+
+
+class Step:
+    """Enqueues steps on the compute stream ``S``; the ``Streamer`` puts the slot copies on the copy stream."""
+
+    def __init__(self, ops, stream, weights, kv, acts, streamer, config, ws_session):
+        self.ops, self.S, self.w, self.kv, self.acts = ops, stream, weights, kv, acts
+        self.streamer, self.c, self.ws_session = streamer, config, ws_session
+        self.eps = float(config.rms_norm_eps)
+        self.head = config.decode_schedule()[-1]
+
+    def _use(self, names, launch) -> None:
+        self.streamer.before(names)
+        launch()
+        self.streamer.after(names)
+
+    def body(self, t: int, *, decode: bool, start_pos: int = 0, ws_step=None) -> None:
+        """Embedding, every layer and the logits of the last token, for ``t`` tokens."""
+        o, S, c, W = self.ops, self.S, self.c, self.w.array
+        a = self.acts.views(t)
+        ids, pos = (a.inp, a.positions) if decode else (a.ids, a.pos)
+        mm = (lambda out, w, x, b=None: o.gemv(S, w, x, out, bias=b)) if decode else \
+             (lambda out, w, x, b=None: o.gemm(S, x, w, out, bias=b))
+        o.embedding(S, self.w.embedding_table, ids, a.x)
+        first = "model.layers.0.input_layernorm.weight"
+        self._use([first], lambda: o.rmsnorm(S, a.x, W(first), a.xn, self.eps))
+        for layer in range(c.num_hidden_layers):
+            p = f"model.layers.{layer}."
+            for proj, out in (("q", a.q), ("k", a.k), ("v", a.v)):
+                wn = p + f"self_attn.{proj}_proj.weight"
+                bn = p + f"self_attn.{proj}_proj.bias" if c.attention_bias else None
+                names = [wn] + ([bn] if bn else [])
+                self._use(names, lambda wn=wn, bn=bn, out=out: mm(out, W(wn), a.xn, W(bn) if bn else None))
+            o.rope(S, a.q3, a.k3, pos, a.inv_freq)
+            o.kv_append(S, a.k3, a.v3, self.kv.k(layer), self.kv.v(layer), pos)
+            if decode:
+                o.attn_decode(S, a.q3, self.kv.k4(layer), self.kv.v4(layer), a.lens, a.attn3, self.ws_session)
+            else:
+                o.attn_prefill(S, a.q3, self.kv.k(layer), self.kv.v(layer), a.attn3, ws_step, start_pos)
+            wo = p + "self_attn.o_proj.weight"
+            self._use([wo], lambda: mm(a.proj, W(wo), a.attn))
+            ln2 = p + "post_attention_layernorm.weight"
+            self._use([ln2], lambda: o.rmsnorm(S, a.proj, W(ln2), a.xn, self.eps, residual=a.x))
+            wg, wu, wd = (p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down"))
+            self._use([wg], lambda: mm(a.gate, W(wg), a.xn))
+            self._use([wu], lambda: mm(a.up, W(wu), a.xn))
+            o.silu_mul(S, a.gate, a.up, a.gate)
+            self._use([wd], lambda: mm(a.proj, W(wd), a.gate))
+            nxt = (f"model.layers.{layer + 1}.input_layernorm.weight" if layer + 1 < c.num_hidden_layers
+                   else "model.norm.weight")
+            self._use([nxt], lambda: o.rmsnorm(S, a.proj, W(nxt), a.xn, self.eps, residual=a.x))
+        last = a.xn if decode else a.xn_last
+        self._use([self.head], lambda: o.gemv(S, W(self.head), last, a.logits))
+
+    def select(self, sampling) -> None:
+        """next = argmax(logits) (``sampling`` None) or a draw with (temperature, top_k, top_p)."""
+        a = self.acts.views(1)
+        if sampling is None:
+            self.ops.argmax(self.S, a.logits, a.next, self.ws_session)
+        else:
+            self.ops.sample(self.S, a.logits, a.next, a.rng, *sampling)
+
+    def advance(self) -> None:
+        a = self.acts.views(1)
+        self.ops.advance(self.S, a.next, a.inp, a.positions, a.lens, a.out_tokens)
+
+    def decode(self, sampling, *, timed: bool = False) -> None:
+        """One whole decode step: what the graph captures (untimed there; ``timed`` for an eager step)."""
+        self.streamer.begin(timed=timed)
+        self.body(1, decode=True)
+        self.streamer.end()
+        self.select(sampling)
+        self.advance()

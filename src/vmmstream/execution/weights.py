@@ -1,0 +1,268 @@
+"""Weight residency: a VA per tensor for life, resident backing, slots aliased at streamed VAs, pinned host copies.
+
+Owner: ``Weights`` owns every block it made (resident tensors, slots, streamed tensors' VA ranges), its
+pinned host allocation and its VA arena; ``close()`` releases them (fenced: after work queued on the
+package's streams) and is idempotent.
+
+* resident tensor: its own physical pages at its own VA, filled once at load;
+* streamed tensor: its own VA, mapped onto the first bytes of slot ``k`` (a physical handle shared by
+  every tenant of the slot), filled from its pinned host copy before each use (``Streamer``);
+* the embedding table is also kept in pinned host memory: the gather reads only a step's rows from there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import numpy as np
+
+from ..budget import format_bytes
+
+EMBED = "model.embed_tokens.weight"
+_ALIGN = 256
+_PROGRESS_MIN_BYTES = 64 << 20
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class Tensor:
+    __slots__ = ("name", "shape", "payload", "where", "block", "host", "slot", "array", "index")
+
+    def __init__(self, name, shape, payload, where):
+        self.name, self.shape, self.payload, self.where = name, tuple(shape), payload, where
+        self.block = None    # device Block (resident or streamed)
+        self.host = None     # pinned host address (streamed tensors and the embedding table)
+        self.slot = None
+        self.array = None    # device view (or the host-mapped table for the embedding gather)
+        self.index = None    # position among streamed tensors
+
+
+class Weights:
+    def __init__(self, mem, ops, plan, checkpoint, holder: str, stream, *, progress=None):
+        self.mem, self.ops, self.plan, self.holder = mem, ops, plan, holder
+        self.driver = mem.driver
+        self.stream = stream
+        self.tensors: dict[str, Tensor] = {}
+        self.slots = []
+        self.streamed: list[Tensor] = []
+        self.host_ptr = 0
+        self.host_bytes = 0
+        self.arena_name = None
+        self.closed = False
+        try:
+            self._build(checkpoint, progress)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- construction --
+    def _build(self, ck, progress) -> None:
+        plan, mem, g = self.plan, self.mem, self.mem.granularity
+        for p in plan.placements:
+            self.tensors[p.name] = Tensor(p.name, ck.tensors[p.name].shape, p.payload, p.where)
+        device = [t for t in self.tensors.values() if t.where != "host"]
+        if not mem.legacy:
+            va = sum(p.device_bytes for p in plan.placements) + plan.slot_count * plan.slot_bytes + g
+            self.arena_name = f"weights:{self.holder}"
+            mem.arena(self.arena_name, va)
+        arena = self.arena_name or "weights"
+        for t in device:
+            if t.where == "resident":
+                t.block = mem.allocate(t.payload, role="weights_resident", holder=self.holder, arena=arena)
+        for _ in range(plan.slot_count):
+            self.slots.append(mem.allocate(plan.slot_bytes, role="weight_slots", holder=self.holder, arena=arena))
+        for p in plan.placements:
+            if p.where == "streamed":
+                t = self.tensors[p.name]
+                t.slot, t.index = p.slot, len(self.streamed)
+                t.block = mem.reserve(t.payload, role="weight_slots", holder=self.holder, arena=arena)
+                mem.alias(t.block, self.slots[p.slot])
+                self.streamed.append(t)
+        # pinned host memory: streamed tensors, the embedding table, and a staging area for resident loads
+        host = [t for t in self.tensors.values() if t.where == "streamed" or t.name == EMBED]
+        staging = max([t.payload for t in device if t.where == "resident" and t.name != EMBED] + [0])
+        offsets, off = {}, 0
+        for t in host:
+            offsets[t.name] = off
+            off = _align(off + t.payload)
+        stage_off = off
+        self.host_bytes = off + staging
+        self.host_ptr = self.driver.host_alloc(max(self.host_bytes, 1))
+        for t in host:
+            t.host = self.host_ptr + offsets[t.name]
+        self._load(ck, self.host_ptr + stage_off, staging, progress)
+        for t in device:
+            t.array = self.ops.view(t.block.va, t.shape, np.uint16)
+        self.embedding_table = self.ops.view(self.tensors[EMBED].host, self.tensors[EMBED].shape, np.uint16)
+
+    def _load(self, ck, stage_ptr: int, stage_bytes: int, progress) -> None:
+        """Read every tensor once (file, then offset order): host copies land in place, resident ones go
+        through the staging area to their VA. f16/f32 checkpoints are converted to bf16 on the way."""
+        from vmmstream.kernels.dtypes import f32_to_bf16
+        infos = [ck.tensors[name] for name in self.tensors]
+        total = sum(i.nbytes for i in infos)
+        report = _progress_printer(total, progress)
+        temp = {}
+
+        def dest(t: Tensor) -> int:
+            return t.host if t.host is not None else stage_ptr
+
+        def buffer_for(info):
+            t = self.tensors[info.name]
+            if info.dtype != "BF16":
+                temp[info.name] = np.empty(info.nbytes, np.uint8)
+                return temp[info.name]
+            return (ctypes.c_uint8 * t.payload).from_address(dest(t))
+
+        from ..model import iter_load
+        for info in iter_load(infos, buffer_for, progress=report):
+            t = self.tensors[info.name]
+            if info.name in temp:
+                raw = temp.pop(info.name)
+                from ..model.checkpoint import DTYPES
+                vals = raw.view(DTYPES[info.dtype]).astype(np.float32)
+                bits = f32_to_bf16(vals)
+                ctypes.memmove(dest(t), bits.ctypes.data, t.payload)
+            if t.where == "resident":
+                self.driver.memcpy_htod_async(t.block.va, dest(t), t.payload, self.stream)
+                self.driver.stream_synchronize(self.stream)   # the staging area is reused by the next tensor
+        if report is not None:
+            report(total, total, None, final=True)
+
+    # -- access --
+    def array(self, name: str):
+        return self.tensors[name].array
+
+    def is_streamed(self, name: str) -> bool:
+        return self.tensors[name].where == "streamed"
+
+    @property
+    def streamed_payload(self) -> int:
+        return sum(t.payload for t in self.streamed)
+
+    # -- teardown --
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        mem = self.mem
+        if not mem.closed:
+            for t in self.tensors.values():      # aliases first: a slot cannot go while it is mapped elsewhere
+                if t.where == "streamed" and t.block is not None:
+                    mem.free(t.block)
+            for b in self.slots:
+                mem.free(b)
+            for t in self.tensors.values():
+                if t.where == "resident" and t.block is not None:
+                    mem.free(t.block)
+            mem.synchronize()
+            if self.arena_name and self.arena_name in mem.arenas:
+                mem.arenas.pop(self.arena_name).close()
+        if self.host_ptr:
+            self.driver.host_free(self.host_ptr)
+            self.host_ptr = 0
+
+
+def _progress_printer(total: int, progress):
+    if progress is False or (progress is None and total < _PROGRESS_MIN_BYTES):
+        return None
+    if callable(progress) and progress is not True:
+        return lambda done, tot, info, final=False: progress(done, tot)
+    last = [-1]
+
+    def show(done, tot, info, final=False):
+        pct = 100 * done // max(1, tot)
+        if pct != last[0] or final:
+            last[0] = pct
+            end = "\n" if final else ""
+            print(f"\rloading weights: {format_bytes(done)} of {format_bytes(tot)} ({pct}%)", end=end,
+                  file=sys.stderr, flush=True)
+    return show
+
+
+class Streamer:
+    """Schedules the slot copies of one step on the copy stream, with one event per edge.
+
+    For streamed tensor ``i`` (schedule order) in slot ``i % K``: the copy stream waits until the slot's
+    previous tenant ``i - K`` has been read (``free[i - K]``, recorded on the compute stream after its
+    reader; the step's start ``E0`` for the first K), copies host -> the tensor's own VA, records
+    ``filled[i]``; the compute stream waits ``filled[i]`` before the reader. Copies therefore run up to
+    K - 1 tensors ahead of compute. The step ends with the compute stream waiting on the copy stream, so
+    a capture of the step joins both streams. Events are created here, before any capture.
+    """
+
+    def __init__(self, driver, compute, copy, tensors: list, slots: int):
+        self.driver, self.S, self.C = driver, compute, copy
+        self.tensors = tensors
+        self.K = slots
+        self.index = {t.name: t.index for t in tensors}
+        n = len(tensors)
+        self.events = []
+        self.filled = [self._ev() for _ in range(n)]
+        self.free = [self._ev() for _ in range(n)]
+        self.t0 = [self._ev(True) for _ in range(n)]
+        self.t1 = [self._ev(True) for _ in range(n)]
+        self.start = self._ev() if n else None
+        self.end_ev = self._ev() if n else None
+        self.timed = False
+        self.issued = 0            # copies enqueued since construction (eager steps and captures)
+        self.skip = None           # test hook: index of a copy to leave out (to see the tests go red)
+
+    def _ev(self, timing=False):
+        e = self.driver.event_create(timing)
+        self.events.append(e)
+        return e
+
+    def begin(self, timed: bool = False) -> None:
+        if not self.tensors:
+            return
+        self.timed = timed
+        self.driver.event_record(self.start, self.S)
+        self.driver.stream_wait_event(self.C, self.start)
+        for i in range(min(self.K, len(self.tensors))):
+            self._issue(i)
+
+    def _issue(self, i: int) -> None:
+        d, t = self.driver, self.tensors[i]
+        if i >= self.K:
+            d.stream_wait_event(self.C, self.free[i - self.K])
+        if self.timed:
+            d.event_record(self.t0[i], self.C)
+        if i != self.skip:
+            d.memcpy_htod_async(t.block.va, t.host, t.payload, self.C)
+        if self.timed:
+            d.event_record(self.t1[i], self.C)
+        d.event_record(self.filled[i], self.C)
+        self.issued += 1
+
+    def before(self, names) -> None:
+        for n in names:
+            i = self.index.get(n)
+            if i is not None:
+                self.driver.stream_wait_event(self.S, self.filled[i])
+
+    def after(self, names) -> None:
+        for n in names:
+            i = self.index.get(n)
+            if i is not None:
+                self.driver.event_record(self.free[i], self.S)
+                if i + self.K < len(self.tensors):
+                    self._issue(i + self.K)
+
+    def end(self) -> None:
+        if not self.tensors:
+            return
+        self.driver.event_record(self.end_ev, self.C)
+        self.driver.stream_wait_event(self.S, self.end_ev)
+
+    def copy_ms(self) -> float:
+        """Device time of the last timed step's copies (CUDA events on the copy stream)."""
+        return sum(self.driver.event_elapsed_ms(a, b) for a, b in zip(self.t0, self.t1))
+
+    def close(self) -> None:
+        for e in self.events:
+            self.driver.event_destroy(e)
+        self.events = []
