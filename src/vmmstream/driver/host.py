@@ -163,8 +163,9 @@ class HostDriver(Driver):
         if handle not in self.handles:
             raise _fail("cuMemMap", "CUDA_ERROR_INVALID_HANDLE", f"unknown handle {handle}")
         fd, hsize = self.handles[handle]
-        if offset + size > hsize or size <= 0:
-            raise _fail("cuMemMap", "CUDA_ERROR_INVALID_VALUE", "range exceeds the handle")
+        if offset != 0 or size != hsize:
+            # As on CUDA (seen on the H200): a handle is mapped whole, never a part of it.
+            raise _fail("cuMemMap", "CUDA_ERROR_NOT_SUPPORTED", "a handle must be mapped whole (offset 0, its size)")
         if self._mappings_in(va, size):
             raise _fail("cuMemMap", "CUDA_ERROR_ALREADY_MAPPED", f"{va:#x} is already mapped")
         _mmap("cuMemMap", va, size, _PROT_NONE, mmap.MAP_SHARED | _MAP_FIXED, fd, offset)

@@ -65,7 +65,11 @@ class Weights:
             self.tensors[p.name] = Tensor(p.name, ck.tensors[p.name].shape, p.payload, p.where)
         device = [t for t in self.tensors.values() if t.where != "host"]
         if not mem.legacy:
-            va = sum(p.device_bytes for p in plan.placements) + plan.slot_count * plan.slot_bytes + g
+            # Streamed tensors reserve a whole slot of VA: CUDA maps a handle whole, so a tensor smaller
+            # than its slot aliases the full slot and uses the front of it.
+            n_streamed = sum(1 for p in plan.placements if p.where == "streamed")
+            va = (sum(p.device_bytes for p in plan.placements if p.where == "resident")
+                  + (plan.slot_count + n_streamed) * plan.slot_bytes + g)
             self.arena_name = f"weights:{self.holder}"
             mem.arena(self.arena_name, va)
         arena = self.arena_name or "weights"
@@ -78,7 +82,7 @@ class Weights:
             if p.where == "streamed":
                 t = self.tensors[p.name]
                 t.slot, t.index = p.slot, len(self.streamed)
-                t.block = mem.reserve(t.payload, role="weight_slots", holder=self.holder, arena=arena)
+                t.block = mem.reserve(plan.slot_bytes, role="weight_slots", holder=self.holder, arena=arena)
                 mem.alias(t.block, self.slots[p.slot])
                 self.streamed.append(t)
         # pinned host memory: streamed tensors, the embedding table, and a staging area for resident loads

@@ -147,9 +147,9 @@ class DeviceMemory:
         block.handle, block.aliased, block.state = h, False, "own"
 
     def alias(self, block: Block, source: Block) -> None:
-        """Map ``source``'s physical handle (its first ``block.size`` bytes) at ``block``'s VA too.
+        """Map ``source``'s physical handle at ``block``'s VA too (same size; charged once, to ``source``).
 
-        Charged once, to ``source``. Streamed tensors alias the slot they are assigned to this way.
+        Streamed tensors alias the slot they are assigned to this way.
         """
         self._check_open("alias")
         if self.legacy:
@@ -157,9 +157,11 @@ class DeviceMemory:
         self._require_unbacked(block, "alias")
         if source.state != "own":
             raise VmmstreamError(f"alias source must own its backing, not be {source.state}")
-        if block.size > source.size:
-            raise VmmstreamError(f"alias: {block.size} B of VA cannot show a {source.size} B handle "
-                                 "(a block may alias the first bytes of a larger slot, not more)")
+        if block.size != source.size:
+            # CUDA maps whole handles only (a partial cuMemMap is CUDA_ERROR_NOT_SUPPORTED on the H200):
+            # a tensor smaller than its slot reserves a slot-sized VA range and uses its front.
+            raise VmmstreamError(f"alias: a {block.size} B range cannot map a {source.size} B handle; "
+                                 "reserve the alias at the source's size")
         with Transaction() as tx:
             self._map(block, source.handle, tx)
         block.handle, block.aliased, block.state = source.handle, True, "alias"
