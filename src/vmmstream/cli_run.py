@@ -9,6 +9,7 @@ import tempfile
 import time
 
 from .budget import format_bytes
+from .cli_model import _positive
 
 
 def add_subcommands(subparsers) -> None:
@@ -153,13 +154,3 @@ def _ids(text: str) -> list:
     if not ids:
         raise argparse.ArgumentTypeError("give at least one token id")
     return ids
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
-    return v

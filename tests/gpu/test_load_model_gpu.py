@@ -39,29 +39,8 @@ def memory(driver, budget):
 
 
 def _hf(arch, seed, out):
-    torch = pytest.importorskip("torch")
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
-    cfg_cls, model_cls, extra = {"llama": (LlamaConfig, LlamaForCausalLM, {}),
-                                 "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 4096}),
-                                 "qwen2": (Qwen2Config, Qwen2ForCausalLM, {})}[arch]
-    torch.manual_seed(seed)
-    model = model_cls(cfg_cls(**COMMON, **extra))
-    with torch.no_grad():
-        model.lm_head.weight.mul_(40.0)
-        if arch == "qwen2":
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0.0, 0.1)
-    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-    ref = model_cls.from_pretrained(out, dtype=torch.float32).eval()
-    ids, logits = list(PROMPT), []
-    with torch.no_grad():
-        for _ in range(NEW):
-            lg = ref(torch.tensor([ids])).logits[0, -1].float().numpy()
-            logits.append(lg)
-            ids.append(int(lg.argmax()))
-    return ids[len(PROMPT):], np.stack(logits)
+    from hf_oracle import build_reference
+    return build_reference(arch, seed, out, COMMON, PROMPT, NEW)
 
 
 def _budgets(path, gran, mc=MC):

@@ -332,7 +332,7 @@ def test_cli_generate_and_demo(tiny, capsys):
 
 
 def test_text_prompt_with_a_tokenizer(tiny, tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
+    import tokenizers
     import shutil
     path = tmp_path / "with-tok"
     shutil.copytree(tiny, path)

@@ -20,13 +20,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from hf_oracle import build_reference
 
-from vmmstream.driver.host import HostDriver  # noqa: E402
-from vmmstream.memory import DeviceMemory  # noqa: E402
-
-import vmmstream  # noqa: E402
+import vmmstream
+from vmmstream.driver.host import HostDriver
+from vmmstream.memory import DeviceMemory
 
 G = 64 << 10
 NEW = 32
@@ -39,30 +37,7 @@ COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_
 
 
 def _build(arch, seed, out):
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
-    cls = {"llama": (LlamaConfig, LlamaForCausalLM, {}),
-           "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 4096}),
-           "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": False}),
-           "qwen2-tied": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True})}
-    cfg_cls, model_cls, extra = cls[arch]
-    torch.manual_seed(seed)
-    model = model_cls(cfg_cls(**COMMON, **extra))
-    with torch.no_grad():   # spread the logits so greedy margins are not all rounding-sized
-        model.lm_head.weight.mul_(10.0 if extra.get("tie_word_embeddings") else 40.0)
-        if arch.startswith("qwen2"):
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0.0, 0.1)
-    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-    ref = model_cls.from_pretrained(out, dtype=torch.float32).eval()
-    ids, logits = list(PROMPT), []
-    with torch.no_grad():
-        for _ in range(NEW):
-            lg = ref(torch.tensor([ids])).logits[0, -1].float().numpy()
-            logits.append(lg)
-            ids.append(int(lg.argmax()))
-    return ids[len(PROMPT):], np.stack(logits)
+    return build_reference(arch, seed, out, COMMON, PROMPT, NEW)
 
 
 SEEDS = {"llama": 0, "mistral": 3, "qwen2": 1, "qwen2-tied": 0}

@@ -1,0 +1,41 @@
+"""The reference side of the oracle tests (unit tier on the host backend, gpu tier on CUDA).
+
+A tiny random Llama / Mistral / Qwen2 is built with ``transformers``, saved in bf16 with ``save_pretrained``,
+and decoded greedily by transformers in float32 from those same bf16 weights. The output head is scaled up so
+greedy margins are mostly well above rounding, and Qwen2's q/k/v biases are random (transformers initialises
+them to zero, which would test nothing).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM, {}),
+         "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 4096}),
+         "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": False}),
+         "qwen2-tied": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True})}
+
+
+def build_reference(arch: str, seed: int, out, common: dict, prompt: list[int], new: int):
+    """Write the checkpoint to ``out``; return (greedy tokens, fp32 logits [new, vocab]) of transformers."""
+    cfg_cls, model_cls, extra = ARCHS[arch]
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**common, **extra))
+    with torch.no_grad():   # spread the logits so greedy margins are not all rounding-sized
+        model.lm_head.weight.mul_(10.0 if extra.get("tie_word_embeddings") else 40.0)
+        if arch.startswith("qwen2"):
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0.0, 0.1)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    ref = model_cls.from_pretrained(out, dtype=torch.float32).eval()
+    ids, logits = list(prompt), []
+    with torch.no_grad():
+        for _ in range(new):
+            lg = ref(torch.tensor([ids])).logits[0, -1].float().numpy()
+            logits.append(lg)
+            ids.append(int(lg.argmax()))
+    return ids[len(prompt):], np.stack(logits)
