@@ -1,0 +1,128 @@
+"""Quantized GEMVs (int4, MXFP4) in the Numba CUDA simulator, at small odd N, against their NumPy
+references (dequantize, fp64 matmul). A few blocks of one or two warps: the simulator runs one Python
+thread per CUDA thread.
+
+Tolerance: the bf16 output may differ from the unrounded reference by one rounding (2⁻⁸·|ref|) plus the
+fp32 accumulation slack, 1e-5 · Σ|xᵢ·wᵢ| with w the dequantized weight.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from vmmstream.kernels import NONE, qgemv
+from vmmstream.kernels.dtypes import bf16_to_f32, f32_to_bf16
+from vmmstream.kernels.quant import dequantize_int4, dequantize_mxfp4, quantize_int4, quantize_mxfp4
+
+pytestmark = pytest.mark.sim
+
+HALF_ULP = 2.0 ** -8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fast_thread_switching():
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(5e-5)
+    yield
+    sys.setswitchinterval(old)
+
+
+def dev(a):
+    return cuda.to_device(np.ascontiguousarray(a))
+
+
+def check(got_bits, wf, x, bias=None):
+    xf = bf16_to_f32(x).astype(np.float64)
+    ref = xf @ wf.astype(np.float64).T
+    if bias is not None:
+        ref = ref + bf16_to_f32(bias)
+    slack = 1e-5 * (np.abs(xf) @ np.abs(wf.astype(np.float64)).T) + 1e-6
+    got = bf16_to_f32(got_bits).astype(np.float64)
+    excess = np.abs(got - ref) - (2 * HALF_ULP * np.abs(ref) + slack)
+    assert np.all(excess <= 0), f"max excess {excess.max():.3g}"
+
+
+def make_x(rng, b, k):
+    return f32_to_bf16(rng.standard_normal((b, k)).astype(np.float32))
+
+
+@pytest.mark.parametrize("n,k,b,bias,threads,rpw,scale_dtype,tile_k", [
+    (37, 256, 1, False, 64, 4, np.float16, 0),      # odd N: a clamped last warp
+    (13, 640, 1, True, 32, 2, np.float32, 256),     # K over three shared-memory tiles (256 + 256 + 128), bias
+    (5, 128, 3, False, 32, 3, np.float16, 0),       # batch tile 4 with a clamped x row
+])
+def test_qgemv_int4_matches_reference(n, k, b, bias, threads, rpw, scale_dtype, tile_k):
+    rng = np.random.default_rng(n * k + b)
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    qw = quantize_int4(w, scale_dtype=scale_dtype)
+    x = make_x(rng, b, k)
+    bb = f32_to_bf16(rng.standard_normal(n).astype(np.float32)) if bias else None
+    out = cuda.device_array((b, n), np.uint16)
+    qgemv.qgemv_int4(dev(qw.packed), dev(qw.scales), dev(qw.zeros), dev(x), out,
+                     bias=None if bb is None else dev(bb),
+                     config=qgemv.QgemvConfig(threads=threads, rows_per_warp=rpw, tile_k=tile_k))
+    got = out.copy_to_host()
+    check(got, dequantize_int4(*qw), x, bb)
+    ref = qgemv.reference_int4(*qw, x, bb)
+    assert ref.shape == got.shape and ref.dtype == np.uint16
+    # the rounded reference differs by at most one bf16 step where the accumulation order tips it
+    assert np.all(np.abs(got.astype(np.int32) - ref.astype(np.int32)) <= 1)
+
+
+@pytest.mark.parametrize("n,k,b,bias,threads,rpw,tile_k", [
+    (37, 256, 1, False, 64, 4, 0),
+    (11, 96, 2, True, 32, 2, 0),       # K = 3 blocks (not a multiple of 128), batch tile 2, bias
+    (6, 416, 1, False, 32, 1, 160),    # tiles of 5 blocks: 160 + 160 + 96
+])
+def test_qgemv_mxfp4_matches_reference(n, k, b, bias, threads, rpw, tile_k):
+    rng = np.random.default_rng(n * k + b + 1)
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    w[1, :32] *= 1e-4                         # blocks with very different scales
+    qw = quantize_mxfp4(w)
+    x = make_x(rng, b, k)
+    bb = f32_to_bf16(rng.standard_normal(n).astype(np.float32)) if bias else None
+    out = cuda.device_array((b, n), np.uint16)
+    qgemv.qgemv_mxfp4(dev(qw.packed), dev(qw.scales), dev(x), out, bias=None if bb is None else dev(bb),
+                      config=qgemv.QgemvConfig(threads=threads, rows_per_warp=rpw, tile_k=tile_k))
+    got = out.copy_to_host()
+    check(got, dequantize_mxfp4(*qw), x, bb)
+    assert np.all(np.abs(got.astype(np.int32) - qgemv.reference_mxfp4(*qw, x, bb).astype(np.int32)) <= 1)
+
+
+def test_qgemv_vector_input_and_default_config():
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((3, 128)) * 0.1).astype(np.float32)
+    qw = quantize_mxfp4(w)
+    x = make_x(rng, 1, 128)[0]
+    out = cuda.device_array(3, np.uint16)
+    qgemv.qgemv_mxfp4(dev(qw.packed), dev(qw.scales), dev(x), out)
+    check(out.copy_to_host()[None], dequantize_mxfp4(*qw), x[None])
+
+
+def test_qgemv_rejects_bad_shapes_and_types():
+    rng = np.random.default_rng(8)
+    qw = quantize_int4((rng.standard_normal((4, 256)) * 0.1).astype(np.float32))
+    x, out = dev(make_x(rng, 1, 256)), cuda.device_array((1, 4), np.uint16)
+    with pytest.raises(ValueError, match="shapes"):
+        qgemv.qgemv_int4(dev(qw.packed), dev(qw.scales[:, :1]), dev(qw.zeros[:, :1]), x, out)
+    with pytest.raises(ValueError, match="shapes"):
+        qgemv.qgemv_int4(dev(qw.packed), dev(qw.scales), dev(qw.zeros), x, cuda.device_array((1, 4), np.float32))
+    with pytest.raises(ValueError, match="float16 or float32"):
+        qgemv.qgemv_int4(dev(qw.packed), dev(qw.scales), dev(qw.zeros.astype(np.float32)), x, out)
+    with pytest.raises(ValueError, match="tile_k"):
+        qgemv.qgemv_int4(dev(qw.packed), dev(qw.scales), dev(qw.zeros), x, out, config=qgemv.QgemvConfig(tile_k=100))
+    with pytest.raises(ValueError, match="uint8 E8M0"):
+        qgemv.qgemv_mxfp4(dev(qw.packed), dev(np.zeros((4, 8), np.float16)), x, out)
+
+
+def test_qgemv_declares_no_workspace():
+    assert qgemv.workspace_requirement(14336, 4096) == NONE
+    assert qgemv.CAPTURE_SAFE is True and qgemv.SIGNATURES
+    n, k = 4096, 14336
+    assert qgemv.bytes_moved(n, k, kind="int4") == n * k // 2 + 4 * n * k // 128 + 2 * k + 2 * n
+    assert qgemv.bytes_moved(n, k, kind="mxfp4") == n * k // 2 + n * k // 32 + 2 * k + 2 * n
+    assert qgemv.flops(n, k, 2) == 4 * n * k
