@@ -8,11 +8,16 @@ NUMBA_ENABLE_CUDASIM=1 pytest -m sim tests/sim
 """
 
 import pytest
+from numba import config
+
+from _barrier import install
+
+if config.ENABLE_CUDASIM:
+    install()      # a blocking barrier instead of the simulator's polling one (see _barrier.py)
 
 
 @pytest.fixture(autouse=True)
 def _require_simulator():
-    from numba import config
     if not config.ENABLE_CUDASIM:
         pytest.fail("the sim tier needs the Numba CUDA simulator, but numba was imported without it: "
                     "run it in its own process with NUMBA_ENABLE_CUDASIM=1, e.g. "
