@@ -51,6 +51,9 @@ KEYS = 4                 # keys per lane group per step: 2 * KEYS 16-byte loads 
 PREFETCH = True          # issue the next step's loads before using this step's (doubles the loads in flight)
 FLAT_LOADS = False       # K/V addresses as a running element offset: 128 registers instead of 168 and ~7%
                          # fewer loop instructions (ptxas), GPU-untimed so far: see bench/_decode_sweep.py
+SCATTER_SUM = False      # dot products summed over the lane group by a reduce-scatter then an all-gather of the
+                         # U * G scores (~31 shuffles a step for G = 4, U = 4, D = 128) instead of a full
+                         # butterfly of every score (64); GPU-untimed so far
 MIN_BLOCKS = 0           # launch-bounds minimum of resident blocks per SM (0: let ptxas choose; 168 registers)
 CHUNKS = (1024, 512, 256, 128, 64)   # candidate keys per block, largest first
 SMS = 132                # an H200's SMs: a constant, so the plan (and the workspace) is portable
@@ -160,6 +163,15 @@ if la.SIM:
     def _exp2(x):
         return np.float32(math.pow(2.0, float(x)))
 
+    def _shfl_xor1(v, off):
+        """One value from lane ^ off."""
+        lane = threading.current_thread().thread_id % 32
+        return _lanes_values((v,))[lane ^ off][0]
+
+    def _shfl_idx1(v, src):
+        """One value from lane ``src`` of the warp."""
+        return _lanes_values((v,))[src % 32][0]
+
     def _ld8_ro_at(arr, off):
         """8 bf16 at element offset ``off`` from the array's first element, as four packed words."""
         a = arr._ary if hasattr(arr, "_ary") else arr
@@ -188,6 +200,14 @@ else:
     @cuda.jit(device=True, inline="always")
     def _exp2(x):
         return libdevice.exp2f(x)
+
+    @cuda.jit(device=True, inline="always")
+    def _shfl_xor1(v, off):
+        return cuda.shfl_xor_sync(FULL_MASK, v, off)
+
+    @cuda.jit(device=True, inline="always")
+    def _shfl_idx1(v, src):
+        return cuda.shfl_sync(FULL_MASK, v, src)
 
     from llvmlite import ir
     from numba.core import types
@@ -223,10 +243,47 @@ def _unpack8(dst, i, w0, w1, w2, w3, mul):
     dst[i + 6], dst[i + 7] = mh.bf16_lo(w3) * mul, mh.bf16_hi(w3) * mul
 
 
+def _make_scatter_sum(P, L, NG):
+    """A device function ``(vals, tmp)``: vals[:NG] summed over the L aligned lanes of this lane's group, in
+    every lane (the same result as ``_group_sum(vals, NG, L)``), as a reduce-scatter then an all-gather.
+    P (a power of two >= NG) is the padded count: vals[NG:P] must be zero. At a scatter level with lane
+    offset o, a lane keeps the half of its values its o-bit selects, adds the partner's copy of that
+    half, and sends the other half: P/2 + P/4 + ... shuffles, after which lane i of the group holds
+    indices [(i // STRIDE) * C, +C). The gather then fetches each of the NG sums from its holder."""
+    LOG_P, LOG_L = P.bit_length() - 1, L.bit_length() - 1
+    NLEV = min(LOG_P, LOG_L)               # scatter levels
+    NRED = LOG_L - NLEV                     # levels left when P < L: plain butterfly of the one value
+    C = max(1, P // L)                      # values a lane holds after the scatter
+    STRIDE = max(1, L // P)                 # lanes between holders of consecutive blocks of C
+
+    @cuda.jit(device=True, inline="always")
+    def scatter_sum(vals, tmp):
+        lane = cuda.threadIdx.x % 32
+        for j in range(NLEV):
+            off = L >> (j + 1)
+            half = P >> (j + 1)
+            up = (lane & off) != 0
+            for i in range(half):
+                a, b = vals[i], vals[i + half]
+                send = a if up else b
+                keep = b if up else a
+                vals[i] = keep + _shfl_xor1(send, off)
+        for j in range(NRED):
+            vals[0] += _shfl_xor1(vals[0], L >> (NLEV + j + 1))
+        base = lane - lane % L
+        for i in range(NG):
+            tmp[i] = _shfl_idx1(vals[i % C], base + (i // C) * STRIDE)
+        for i in range(NG):
+            vals[i] = tmp[i]
+
+    return scatter_sum
+
+
 # ----------------------------------------------------------------------------- pass 1
 
-def _make_split(G, D, W=None, U=None, PF=None, MINB=None, FLAT=None):
+def _make_split(G, D, W=None, U=None, PF=None, MINB=None, FLAT=None, RS=None):
     W = WARPS if W is None else W
+    RS = SCATTER_SUM if RS is None else RS
     FLAT = FLAT_LOADS if FLAT is None else FLAT
     U = KEYS if U is None else U
     PF = PREFETCH if PF is None else PF
@@ -240,6 +297,9 @@ def _make_split(G, D, W=None, U=None, PF=None, MINB=None, FLAT=None):
     MO, LO, NST = 8 * G, 9 * G, 10 * G   # state: acc [8G] | running max [G] | running sum [G]
     BW = 4 * U
     G2 = 2 * G
+    SP = 1 << (SN - 1).bit_length()       # scores padded to a power of two for the reduce-scatter
+    SA = SP if RS else SN
+    rs_sum = _make_scatter_sum(SP, L, SN)
 
     @mh.kernel((THR, MINB) if MINB else THR)
     def split(q, k, v, seq_len, part_m, part_l, part_o, chunk, scale):
@@ -275,7 +335,8 @@ def _make_split(G, D, W=None, U=None, PF=None, MINB=None, FLAT=None):
         kc = cuda.local.array(BW, uint32)          # K / V words of the step being used
         vc = cuda.local.array(BW, uint32)
         kf = cuda.local.array(8, float32)
-        s = cuda.local.array(SN, float32)          # scores, then probabilities, [u * G + h]
+        s = cuda.local.array(SA, float32)          # scores, then probabilities, [u * G + h]
+        s_t = cuda.local.array(SA, float32)        # the reduce-scatter's gather target
         n_it = (n + KPB - 1) // KPB
         # FLAT: element offsets of this lane's 8 dims of the next key to load, running by one step each step
         k_row, v_row = k.strides[1] // 2, v.strides[1] // 2
@@ -334,7 +395,12 @@ def _make_split(G, D, W=None, U=None, PF=None, MINB=None, FLAT=None):
                     for x in range(8):
                         a += qr[8 * h + x] * kf[x]
                     s[u * G + h] = a
-            _group_sum(s, SN, L)
+            if RS:
+                for i in range(SN, SA):
+                    s[i] = 0.0
+                rs_sum(s, s_t)
+            else:
+                _group_sum(s, SN, L)
             for u in range(U):
                 if r0 + u >= n:
                     for h in range(G):
@@ -517,7 +583,7 @@ def launch(q, k, v, seq_len, out, workspace, *, scale=None, stream):
     part_m, part_l = part["m"].reshape(B, Hq, ns), part["l"].reshape(B, Hq, ns)
     part_o = part["o"].reshape(B, Hq, ns, D)
     st = la.as_stream(stream)
-    _kernel("split", G, D, WARPS, KEYS, PREFETCH, MIN_BLOCKS, FLAT_LOADS)[(ns, Hkv, B), 32 * WARPS, st](
+    _kernel("split", G, D, WARPS, KEYS, PREFETCH, MIN_BLOCKS, FLAT_LOADS, SCATTER_SUM)[(ns, Hkv, B), 32 * WARPS, st](
         q, k, v, seq_len, part_m, part_l, part_o, chunk, float32(scale))
     _kernel("combine", D, C_THREADS, C_UNROLL)[(Hq, B), C_THREADS, st](
         part_m, part_l, part_o, seq_len, out, chunk)
@@ -531,6 +597,7 @@ _SPLIT_SIG = f"void({_U16_3D}, {_U16_4D}, {_U16_4D}, int32[::1], {_F32_3D}, {_F3
 SIGNATURES = (
     [(_make_split(G, D).py_func, _SPLIT_SIG) for G in (4, 1) for D in HEAD_DIMS]
     + [(_make_split(4, D, FLAT=not FLAT_LOADS).py_func, _SPLIT_SIG) for D in HEAD_DIMS]   # the other addressing
+    + [(_make_split(G, D, RS=not SCATTER_SUM).py_func, _SPLIT_SIG) for G in (4, 3) for D in HEAD_DIMS]
     + [(_make_combine(D).py_func, f"void({_F32_3D}, {_F32_3D}, {_F32_4D}, int32[::1], {_U16_3D}, int64)")
        for D in HEAD_DIMS]
 )

@@ -168,17 +168,22 @@ def test_decode_device_length(switch_interval, B, D, S_max, lengths, three_d):
 
 
 @pytest.mark.parametrize("switch_interval", [5e-4], indirect=True)
-@pytest.mark.parametrize("W,U,PF,FLAT,D,S_max,lengths", [
-    (2, 2, False, True, 128, 150, [129]),   # no prefetch; 16 keys a step, 4 steps in a full split, 1 key in the last
-    (1, 8, True, True, 64, 100, [37, 70]),  # prefetch across 2 steps of 32 keys; one warp, four streams
-    (4, 4, True, True, 128, 150, [129]),    # the default shape with running-offset loads
+@pytest.mark.parametrize("W,U,PF,FLAT,RS,Hq,D,S_max,lengths", [
+    (2, 2, False, True, False, 4, 128, 150, [129]),   # no prefetch; 16 keys a step, 4 steps in a full split, 1 key in the last
+    (1, 8, True, True, False, 4, 64, 100, [37, 70]),  # prefetch across 2 steps of 32 keys; one warp, four streams
+    (4, 4, True, True, False, 4, 128, 150, [129]),    # the default shape with running-offset loads
+    # reduce-scatter sums: 8 scores over 16 lanes (scatter 3 levels, then a plain butterfly), 16 over 8 lanes
+    # (two per lane), 12 padded to 16 over 16 lanes (G = 3, the 3B preset's grouping)
+    (2, 4, True, False, True, 4, 128, 150, [129]),
+    (1, 4, True, True, True, 4, 64, 100, [37, 70]),
+    (1, 4, True, True, True, 6, 128, 80, [77]),
 ])
-def test_decode_pass1_variants(switch_interval, monkeypatch, W, U, PF, FLAT, D, S_max, lengths):
-    # the swept pass-1 shapes (warps per block, keys per stream step, prefetch, load addressing) index
-    # the same keys
-    for name, val in (("WARPS", W), ("KEYS", U), ("PREFETCH", PF), ("FLAT_LOADS", FLAT)):
+def test_decode_pass1_variants(switch_interval, monkeypatch, W, U, PF, FLAT, RS, Hq, D, S_max, lengths):
+    # the swept pass-1 shapes (warps per block, keys per stream step, prefetch, load addressing, how the
+    # dot products are summed over a lane group) index the same keys
+    for name, val in (("WARPS", W), ("KEYS", U), ("PREFETCH", PF), ("FLAT_LOADS", FLAT), ("SCATTER_SUM", RS)):
         monkeypatch.setattr(ad, name, val)
-    got, ref = run_decode(len(lengths), 4, 2, D, S_max, lengths, seed=3)
+    got, ref = run_decode(len(lengths), Hq, 2, D, S_max, lengths, seed=3)
     assert_bf16_close(got, ref, 2e-3)
 
 
