@@ -115,6 +115,45 @@ def test_counters_streamed_bytes_replays_and_zero_vmm_calls_per_token(tiny):
         mem.close()
 
 
+def test_decode_fuses_qkv_and_gate_up_only_when_their_streamed_tensors_fit_the_slots(qwen):
+    """q/k/v (+ biases) go in one launch and gate/up/silu in another, unless the group streams more tensors
+    than there are slots (it could never be filled at once); fused or not, the tokens are the same."""
+    from vmmstream.model import open_checkpoint
+    cfg = open_checkpoint(qwen).config
+    _, _, floor = budgets(qwen)
+    fits, _, _ = budgets(qwen)
+    tokens, fused_counts = [], []
+    for budget, slots in ((fits, None), (floor, 2), (floor + (4 << 20), 8)):
+        mem = memory(budget)
+        try:
+            with vmmstream.load_model(qwen, memory=mem, max_context=MC, slots=slots) as m:
+                calls = {"gemv_multi": 0, "gemv_gate_up_silu": 0}
+                for name in calls:
+                    orig = getattr(m.ops, name)
+
+                    def counted(*a, _orig=orig, _name=name, **k):
+                        calls[_name] += 1
+                        return _orig(*a, **k)
+                    setattr(m.ops, name, counted)
+                m._graphs.clear()                                    # recapture through the counters
+                tokens.append(m.generate(PROMPT, 12))
+                streamed, K = set(m.plan.streamed), m.plan.slot_count
+                want = {"gemv_multi": 0, "gemv_gate_up_silu": 0}
+                for layer in range(cfg.num_hidden_layers):
+                    p = f"model.layers.{layer}."
+                    qkv = [p + f"self_attn.{n}_proj.{t}" for n in "qkv" for t in ("weight", "bias")]
+                    gu = [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")]
+                    want["gemv_multi"] += len(streamed & set(qkv)) <= K
+                    want["gemv_gate_up_silu"] += len(streamed & set(gu)) <= K
+                assert calls == want, (slots, calls, want)            # one capture: one call per fused group
+                fused_counts.append(want["gemv_multi"])
+        finally:
+            mem.close()
+    assert fused_counts[0] == cfg.num_hidden_layers            # resident: every layer fused
+    assert fused_counts[1] < cfg.num_hidden_layers             # floor with 2 slots: q/k/v+biases stream, unfused
+    assert tokens[0] == tokens[1] == tokens[2]
+
+
 def test_kv_cache_grows_at_its_end_outside_the_decode_loop(tiny):
     # 4 KiB granules: the tiny model's 64-position cache (256 B per position) is 4 chunks of 16 positions
     mem = DeviceMemory(HostDriver(granularity=4096, total_bytes=1 << 30), 64 << 20)

@@ -82,6 +82,18 @@ class HostOps:
     def gemm(self, s, x, w, out, bias=None):
         self._run(s, lambda: self._store(out, self.k["gemm"].reference(x, w, bias)))
 
+    def gemv_multi(self, s, ws, x, outs, biases=None):
+        ref = self.k["gemv"].reference_multi
+
+        def run():
+            for out, y in zip(outs, ref(ws, x, biases)):
+                self._store(out, y)
+        self._run(s, run)
+
+    def gemv_gate_up_silu(self, s, w_gate, w_up, x, out):
+        ref = self.k["gemv"].reference_gate_up_silu
+        self._run(s, lambda: self._copy(out, ref(w_gate, w_up, x).reshape(out.shape)))
+
     def rope(self, s, q, k, positions, inv_freq):
         ref = self.k["rope"].reference
 
@@ -175,6 +187,14 @@ class CudaOps:
     def gemm(self, s, x, w, out, bias=None):
         self.launches += 1
         self.k["gemm"].gemm(x, w, out, bias=bias, stream=self._s(s))
+
+    def gemv_multi(self, s, ws, x, outs, biases=None):
+        self.launches += 1
+        self.k["gemv"].gemv_multi(ws, x, outs, biases=biases, stream=self._s(s))
+
+    def gemv_gate_up_silu(self, s, w_gate, w_up, x, out):
+        self.launches += 1
+        self.k["gemv"].gemv_gate_up_silu(w_gate, w_up, x, out, stream=self._s(s))
 
     def rope(self, s, q, k, positions, inv_freq):
         self.launches += 1

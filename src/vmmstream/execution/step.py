@@ -1,14 +1,20 @@
 """The op sequence of one step of a dense Llama / Mistral / Qwen2 decoder, for prefill (T tokens) and decode (1).
 
 Per layer (x: the residual stream, xn: its normed copy):
-    q, k, v = xn · Wq/k/vᵀ (+ bias)         gemm (prefill) | gemv (decode)
+    q, k, v = xn · Wq/k/vᵀ (+ bias)         gemm (prefill) | gemv (decode; one gemv_multi launch)
     rope(q, k) at the device positions; k, v appended to the cache at those positions
     attn = attention(q, cache[:len])         prefill: causal from start_pos; decode: seq_len read on device
     proj = attn · Woᵀ;  x += proj; xn = norm(x) · post_ln             (one fused rmsnorm)
-    gate, up = xn · Wg/Wuᵀ;  gate = silu(gate) · up;  proj = gate · Wdᵀ
+    gate, up = xn · Wg/Wuᵀ;  gate = silu(gate) · up;  proj = gate · Wdᵀ    (decode: gemv_gate_up_silu)
     x += proj; xn = norm(x) · (next layer's input_layernorm | model.norm)
 then logits = xn[last] · lm_headᵀ (fp32). Weights are read in exactly ``config.decode_schedule()`` order;
 every read of a streamed tensor is bracketed by the ``Streamer`` (wait for its copy, free its slot after).
+
+Decode fuses q/k/v into one launch and gate/up/silu·mul into another when the group's streamed tensors
+fit in the slots at once: a fused launch waits for all of them before it starts, and tensor i's copy is
+issued only after tensor i - K is read, so a group of more than K streamed tensors could never be filled
+(it then runs unfused). Fused and unfused give the same bits (the fused kernels round gate and up to bf16
+before silu·mul, as the separate GEMVs store them).
 
 Everything lives at a stable VA (weights, slots, KV, workspace, activations, device scalars), so the same
 sequence is launched eagerly and inside a capture.
@@ -92,6 +98,11 @@ class Step:
         self.eps = float(config.rms_norm_eps)
         self.head = config.decode_schedule()[-1]
 
+    def _fusable(self, names) -> bool:
+        """Whether one launch may read ``names`` together: their streamed tensors fit in the K slots."""
+        streamed = sum(1 for n in names if n in self.streamer.index)
+        return streamed <= self.streamer.K
+
     def _use(self, names, launch) -> None:
         self.streamer.before(names)
         launch()
@@ -109,11 +120,17 @@ class Step:
         self._use([first], lambda: o.rmsnorm(S, a.x, W(first), a.xn, self.eps))
         for layer in range(c.num_hidden_layers):
             p = f"model.layers.{layer}."
-            for proj, out in (("q", a.q), ("k", a.k), ("v", a.v)):
-                wn = p + f"self_attn.{proj}_proj.weight"
-                bn = p + f"self_attn.{proj}_proj.bias" if c.attention_bias else None
-                names = [wn] + ([bn] if bn else [])
-                self._use(names, lambda wn=wn, bn=bn, out=out: mm(out, W(wn), a.xn, W(bn) if bn else None))
+            qkv = [(p + f"self_attn.{n}_proj.weight", p + f"self_attn.{n}_proj.bias" if c.attention_bias else None,
+                    out) for n, out in (("q", a.q), ("k", a.k), ("v", a.v))]
+            qkv_names = [n for wn, bn, _ in qkv for n in (wn, bn) if n]
+            if decode and self._fusable(qkv_names):
+                self._use(qkv_names, lambda: o.gemv_multi(
+                    S, [W(wn) for wn, _, _ in qkv], a.xn, [out for _, _, out in qkv],
+                    [W(bn) for _, bn, _ in qkv] if c.attention_bias else None))
+            else:
+                for wn, bn, out in qkv:
+                    names = [wn] + ([bn] if bn else [])
+                    self._use(names, lambda wn=wn, bn=bn, out=out: mm(out, W(wn), a.xn, W(bn) if bn else None))
             o.rope(S, a.q3, a.k3, pos, a.inv_freq)
             o.kv_append(S, a.k3, a.v3, self.kv.k(layer), self.kv.v(layer), pos)
             if decode:
@@ -125,9 +142,12 @@ class Step:
             ln2 = p + "post_attention_layernorm.weight"
             self._use([ln2], lambda: o.rmsnorm(S, a.proj, W(ln2), a.xn, self.eps, residual=a.x))
             wg, wu, wd = (p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down"))
-            self._use([wg], lambda: mm(a.gate, W(wg), a.xn))
-            self._use([wu], lambda: mm(a.up, W(wu), a.xn))
-            o.silu_mul(S, a.gate, a.up, a.gate)
+            if decode and self._fusable([wg, wu]):
+                self._use([wg, wu], lambda: o.gemv_gate_up_silu(S, W(wg), W(wu), a.xn, a.gate))
+            else:
+                self._use([wg], lambda: mm(a.gate, W(wg), a.xn))
+                self._use([wu], lambda: mm(a.up, W(wu), a.xn))
+                o.silu_mul(S, a.gate, a.up, a.gate)
             self._use([wd], lambda: mm(a.proj, W(wd), a.gate))
             nxt = (f"model.layers.{layer + 1}.input_layernorm.weight" if layer + 1 < c.num_hidden_layers
                    else "model.norm.weight")
