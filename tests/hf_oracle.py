@@ -19,8 +19,10 @@ ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM, {}),
          "qwen2-tied": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True})}
 
 
-def build_reference(arch: str, seed: int, out, common: dict, prompt: list[int], new: int):
-    """Write the checkpoint to ``out``; return (greedy tokens, fp32 logits [new, vocab]) of transformers."""
+def build_reference(arch: str, seed: int, out, common: dict, prompt: list[int], new: int, quantize=None):
+    """Write the checkpoint to ``out``; return (greedy tokens, fp32 logits [new, vocab]) of transformers.
+    ``quantize`` ("int4" | "mxfp4"): transformers runs on the weights vmmstream's ``quantize`` stores —
+    each quantizable linear weight replaced by its exact fp32 dequantization."""
     cfg_cls, model_cls, extra = ARCHS[arch]
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**common, **extra))
@@ -32,6 +34,14 @@ def build_reference(arch: str, seed: int, out, common: dict, prompt: list[int], 
                     proj.bias.normal_(0.0, 0.1)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     ref = model_cls.from_pretrained(out, dtype=torch.float32).eval()
+    if quantize is not None:
+        from vmmstream.kernels.quant import dequantize, quantize as quantize_weight
+        from vmmstream.quantization import quantizable
+        with torch.no_grad():
+            for name, param in ref.named_parameters():
+                if quantizable(name, tuple(param.shape), quantize):
+                    w = param.detach().numpy()
+                    param.copy_(torch.from_numpy(dequantize(quantize_weight(w, quantize), quantize)))
     ids, logits = list(prompt), []
     with torch.no_grad():
         for _ in range(new):

@@ -33,7 +33,7 @@ ROLES_PLANNED = ("weights_resident", "weight_slots", "kv_cache", "workspace_step
 
 def load_model(path, budget=None, *, max_context: int | None = None, slots: int | None = None,
                backend: str | None = None, memory=None, progress=None, h2d_gbps: float | None = None,
-               prefill_chunk: int | None = None) -> "Model":
+               prefill_chunk: int | None = None, quantize: str | None = None) -> "Model":
     """Load the checkpoint at ``path`` to run within ``budget`` device bytes.
 
     ``budget``: bytes, ``"6GiB"``, ``"80%"``, ``0.8`` or ``"auto"`` (default: ``VMMSTREAM_BUDGET``, else auto).
@@ -41,11 +41,16 @@ def load_model(path, budget=None, *, max_context: int | None = None, slots: int 
     ``slots``: streaming slots K >= 2 (default 2). ``backend``: ``cuda``, ``host`` or ``auto``.
     ``memory``: a ``DeviceMemory`` to use instead of the process's shared one (tests, custom drivers).
     ``progress``: True / False / a callable(done_bytes, total_bytes); default: a progress line on long loads.
+    ``quantize``: ``"int4"`` (group 128, fp16 scale and zero point) or ``"mxfp4"`` (OCP MX, 32-element
+    blocks) stores the layers' linear weights quantized, quantized on the host while loading; the plan,
+    the streamed bytes and the bound use the quantized sizes, ``model.quantization`` reports the error.
     Raises ``CheckpointError`` / ``UnsupportedModelError`` (bad checkpoint), ``BudgetError`` (bad budget),
     ``CapacityError`` (no plan fits, or the memory is taken), ``DriverError``; nothing stays allocated.
     """
     from . import memory as memmod
     from .model import open_checkpoint
+    from .quantization import check_kind
+    check_kind(quantize)                            # a bad choice is a ValueError before any work
     if budget is not None:
         parse_budget_spec(budget)                   # a bad budget is a BudgetError before any device work
     ck = open_checkpoint(path)                      # headers only: CheckpointError / UnsupportedModelError
@@ -63,7 +68,7 @@ def load_model(path, budget=None, *, max_context: int | None = None, slots: int 
                               f"({memory.authority.budget} bytes)")
     try:
         return Model(ck, memory, max_context=max_context, slots=slots, progress=progress, h2d_gbps=h2d_gbps,
-                     prefill_chunk=prefill_chunk, owns_memory=created)
+                     prefill_chunk=prefill_chunk, owns_memory=created, quantize=quantize)
     except BaseException:
         if created and not memory.closed and not memory.blocks:
             memory.close()
@@ -75,7 +80,7 @@ class Model:
     (or leaving the ``with`` block) releases them. Not thread-safe."""
 
     def __init__(self, checkpoint, memory, *, max_context=None, slots=None, progress=None, h2d_gbps=None,
-                 prefill_chunk=None, owns_memory=False):
+                 prefill_chunk=None, owns_memory=False, quantize=None):
         from .planning import PREFILL_CHUNK, make_plan
         self.path = Path(checkpoint.path)
         self.config = c = checkpoint.config
@@ -105,7 +110,7 @@ class Model:
                                   budget_source=(a.budget_source.kind, a.budget_source.detail),
                                   max_context=max_context, slots=slots, granularity=mem.granularity, workspace=ws,
                                   h2d_gbps=h2d_gbps, legacy=mem.legacy, prefill_chunk=chunk,
-                                  sources={"granularity": "explicit", "workspace": "inferred"})
+                                  sources={"granularity": "explicit", "workspace": "inferred"}, quantize=quantize)
             self._build(checkpoint, tmax, progress)
         except BaseException:
             self.close()
@@ -365,8 +370,16 @@ class Model:
             "kv_committed": self.kv.committed if self.kv else 0, "kv_grows": self.kv.grows if self.kv else 0,
             "committed": snap["committed"], "peak_committed": snap["peak_committed"], "budget": snap["budget"],
             "held": snap["by_holder"].get(self.holder, 0),
+            "quantization": self.quantization,
         }
         return out
+
+    @property
+    def quantization(self) -> dict | None:
+        """With ``quantize``: kind, weights quantized, bytes before and after, and the round-trip error."""
+        if self.weights is None or self.plan.quantization is None:
+            return None
+        return self.weights.quant.to_dict()
 
     def memory_report(self) -> str:
         s = self.stats()

@@ -39,6 +39,8 @@ def add_subcommands(subparsers) -> None:
     plan.add_argument("--legacy", action="store_true", default=None,
                       help="plan for VMMSTREAM_LEGACY_ALLOCATOR=1: nothing streams")
     plan.add_argument("--tensors", action="store_true", help="list every tensor's placement")
+    plan.add_argument("--quantize", default=None, choices=("int4", "mxfp4"),
+                      help="plan with the layers' linear weights stored quantized")
     plan.add_argument("--json", action="store_true", help="print JSON")
     plan.set_defaults(fn=_plan)
 
@@ -83,7 +85,7 @@ def _plan(args) -> int:
     try:
         plan = make_plan(config, tensors, budget, budget_source=source, max_context=args.max_context,
                          batch=args.batch, slots=args.slots, granularity=gran, h2d_gbps=args.h2d_gbps,
-                         legacy=legacy, sources={"legacy": legacy_src})
+                         legacy=legacy, sources={"legacy": legacy_src}, quantize=args.quantize)
     except VmmstreamError:
         raise
     except ValueError as exc:

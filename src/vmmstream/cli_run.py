@@ -28,6 +28,8 @@ def add_subcommands(subparsers) -> None:
     gen.add_argument("--max-context", type=_positive, default=None,
                      help="positions the KV cache holds (default: min(4096, max_position_embeddings))")
     gen.add_argument("--slots", type=_positive, default=None, help="streaming slots K >= 2 (default 2)")
+    gen.add_argument("--quantize", default=None, choices=("int4", "mxfp4"),
+                     help="store the layers' linear weights quantized (quantized while loading)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -57,10 +59,12 @@ def _generate(args) -> int:
     from .errors import VmmstreamError
     t0 = time.perf_counter()
     with load_model(args.model, args.budget, max_context=args.max_context, slots=args.slots,
-                    backend=args.backend) as model:
+                    backend=args.backend, quantize=args.quantize) as model:
         load_s = time.perf_counter() - t0
         if args.plan and not args.json:
             print(model.plan)
+            if args.quantize:
+                print(model.weights.quant)
         prompt = args.prompt if args.prompt is not None else args.ids
         if args.prompt is not None and model.tokenizer is None:
             raise VmmstreamError(f"{args.model} has no tokenizer.json; pass --ids instead of --prompt")

@@ -21,6 +21,11 @@ import math
 import numpy as np
 
 
+def _is_q(w) -> bool:
+    from vmmstream.quantization import QWeight
+    return isinstance(w, QWeight)
+
+
 def make_ops(driver):
     return CudaOps(driver) if driver.backend == "cuda" else HostOps(driver)
 
@@ -77,10 +82,24 @@ class HostOps:
         self._run(s, run)
 
     def gemv(self, s, w, x, out, bias=None):
-        self._run(s, lambda: self._store(out, self.k["gemv"].reference(w, x, bias)))
+        if _is_q(w):
+            self._run(s, lambda: self._store(out, self._qref(w, x, bias)))
+        else:
+            self._run(s, lambda: self._store(out, self.k["gemv"].reference(w, x, bias)))
 
     def gemm(self, s, x, w, out, bias=None):
-        self._run(s, lambda: self._store(out, self.k["gemm"].reference(x, w, bias)))
+        if _is_q(w):
+            self._run(s, lambda: self._store(out, self._qref(w, x, bias)))
+        else:
+            self._run(s, lambda: self._store(out, self.k["gemm"].reference(x, w, bias)))
+
+    @staticmethod
+    def _qref(w, x, bias):
+        """x · dequantized(w)ᵀ (+ bias) in fp32: the quantized kernels' reference (one bf16 rounding on store)."""
+        from vmmstream.kernels import qgemv
+        if w.kind == "int4":
+            return qgemv.reference_int4(w.packed, w.scales, w.zeros, x, bias, rounded=False)
+        return qgemv.reference_mxfp4(w.packed, w.scales, x, bias, rounded=False)
 
     def gemv_multi(self, s, ws, x, outs, biases=None):
         ref = self.k["gemv"].reference_multi
@@ -182,11 +201,25 @@ class CudaOps:
 
     def gemv(self, s, w, x, out, bias=None):
         self.launches += 1
-        self.k["gemv"].gemv(w, x, out, bias=bias, stream=self._s(s))
+        if _is_q(w):
+            self._qgemv(s, w, x, out, bias)
+        else:
+            self.k["gemv"].gemv(w, x, out, bias=bias, stream=self._s(s))
+
+    def _qgemv(self, s, w, x, out, bias):
+        from vmmstream.kernels import qgemv
+        if w.kind == "int4":
+            qgemv.qgemv_int4(w.packed, w.scales, w.zeros, x, out, bias=bias, stream=self._s(s))
+        else:
+            qgemv.qgemv_mxfp4(w.packed, w.scales, x, out, bias=bias, stream=self._s(s))
 
     def gemm(self, s, x, w, out, bias=None):
         self.launches += 1
-        self.k["gemm"].gemm(x, w, out, bias=bias, stream=self._s(s))
+        if _is_q(w):
+            # prefill over quantized weights: the batched quantized GEMV (reads W once per 4 tokens)
+            self._qgemv(s, w, x, out, bias)
+        else:
+            self.k["gemm"].gemm(x, w, out, bias=bias, stream=self._s(s))
 
     def gemv_multi(self, s, ws, x, outs, biases=None):
         self.launches += 1

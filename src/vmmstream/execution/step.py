@@ -99,7 +99,10 @@ class Step:
         self.head = config.decode_schedule()[-1]
 
     def _fusable(self, names) -> bool:
-        """Whether one launch may read ``names`` together: their streamed tensors fit in the K slots."""
+        """Whether one launch may read ``names`` together: bf16 weights (the fused GEMVs take no quantized
+        ones) whose streamed tensors fit in the K slots."""
+        if any(self.w.tensors[n].qlayout is not None for n in names):
+            return False
         streamed = sum(1 for n in names if n in self.streamer.index)
         return streamed <= self.streamer.K
 

@@ -7,7 +7,10 @@ package's streams) and is idempotent.
 * resident tensor: its own physical pages at its own VA, filled once at load;
 * streamed tensor: its own VA, mapped onto the first bytes of slot ``k`` (a physical handle shared by
   every tenant of the slot), filled from its pinned host copy before each use (``Streamer``);
-* the embedding table is also kept in pinned host memory: the gather reads only a step's rows from there.
+* the embedding table is also kept in pinned host memory: the gather reads only a step's rows from there;
+* with ``plan.quantization``, the layers' linear weights are quantized on the host as they are read (from
+  the checkpoint's own precision) into their quantized payload (``vmmstream.quantization``); their device
+  view is a ``QWeight`` and the error of every one is gathered in ``Weights.quant``.
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ def _align(n: int) -> int:
 
 
 class Tensor:
-    __slots__ = ("name", "shape", "payload", "where", "block", "host", "slot", "array", "index")
+    __slots__ = ("name", "shape", "payload", "where", "block", "host", "slot", "array", "index", "qlayout")
 
-    def __init__(self, name, shape, payload, where):
+    def __init__(self, name, shape, payload, where, qlayout=None):
         self.name, self.shape, self.payload, self.where = name, tuple(shape), payload, where
+        self.qlayout = qlayout   # quantization.QLayout of a quantized weight
         self.block = None    # device Block (resident or streamed)
         self.host = None     # pinned host address (streamed tensors and the embedding table)
         self.slot = None
@@ -52,6 +56,8 @@ class Weights:
         self.host_bytes = 0
         self.arena_name = None
         self.closed = False
+        from ..quantization import ErrorReport
+        self.quant = ErrorReport(plan.quantization)
         try:
             self._build(checkpoint, progress)
         except BaseException:
@@ -60,9 +66,17 @@ class Weights:
 
     # -- construction --
     def _build(self, ck, progress) -> None:
+        from ..quantization import is_linear, layout, quantizable
         plan, mem, g = self.plan, self.mem, self.mem.granularity
+        kind = plan.quantization
         for p in plan.placements:
-            self.tensors[p.name] = Tensor(p.name, ck.tensors[p.name].shape, p.payload, p.where)
+            shape = ck.tensors[p.name].shape
+            ql = layout(kind, shape) if quantizable(p.name, shape, kind) else None
+            if ql is not None and ql.total != p.payload:
+                raise ValueError(f"{p.name}: the plan's payload {p.payload} is not its {kind} layout's {ql.total}")
+            if kind and ql is None and is_linear(p.name):
+                self.quant.kept_bf16.append(p.name)
+            self.tensors[p.name] = Tensor(p.name, shape, p.payload, p.where, ql)
         device = [t for t in self.tensors.values() if t.where != "host"]
         if not mem.legacy:
             # Streamed tensors reserve a whole slot of VA: CUDA maps a handle whole, so a tensor smaller
@@ -98,14 +112,17 @@ class Weights:
         for t in host:
             t.host = self.host_ptr + offsets[t.name]
         self._load(ck, self.host_ptr + stage_off, staging, progress)
+        from ..quantization import views
         for t in device:
-            t.array = self.ops.view(t.block.va, t.shape, np.uint16)
+            t.array = (views(t.qlayout, t.block.va, self.ops.view) if t.qlayout is not None
+                       else self.ops.view(t.block.va, t.shape, np.uint16))
         self.embedding_table = self.ops.view(self.tensors[EMBED].host, self.tensors[EMBED].shape, np.uint16)
 
     def _load(self, ck, stage_ptr: int, stage_bytes: int, progress) -> None:
         """Read every tensor once (file, then offset order): host copies land in place, resident ones go
-        through the staging area to their VA. f16/f32 checkpoints are converted to bf16 on the way."""
-        from vmmstream.kernels.dtypes import f32_to_bf16
+        through the staging area to their VA. f16/f32 checkpoints are converted to bf16 on the way; weights
+        to quantize are quantized from their checkpoint values."""
+        from vmmstream.kernels.dtypes import bf16_to_f32, f32_to_bf16
         infos = [ck.tensors[name] for name in self.tensors]
         total = sum(i.nbytes for i in infos)
         report = _progress_printer(total, progress)
@@ -116,7 +133,7 @@ class Weights:
 
         def buffer_for(info):
             t = self.tensors[info.name]
-            if info.dtype != "BF16":
+            if info.dtype != "BF16" or t.qlayout is not None:
                 temp[info.name] = np.empty(info.nbytes, np.uint8)
                 return temp[info.name]
             return (ctypes.c_uint8 * t.payload).from_address(dest(t))
@@ -127,9 +144,17 @@ class Weights:
             if info.name in temp:
                 raw = temp.pop(info.name)
                 from ..model.checkpoint import DTYPES
-                vals = raw.view(DTYPES[info.dtype]).astype(np.float32)
-                bits = f32_to_bf16(vals)
-                ctypes.memmove(dest(t), bits.ctypes.data, t.payload)
+                if info.dtype == "BF16":
+                    vals = bf16_to_f32(raw.view(np.uint16))
+                else:
+                    vals = raw.view(DTYPES[info.dtype]).astype(np.float32)
+                if t.qlayout is not None:
+                    out = np.frombuffer((ctypes.c_uint8 * t.payload).from_address(dest(t)), np.uint8)
+                    out[:] = 0
+                    self.quant.quantize_into(t.name, vals.reshape(t.shape), t.qlayout, out)
+                else:
+                    bits = f32_to_bf16(vals)
+                    ctypes.memmove(dest(t), bits.ctypes.data, t.payload)
             if t.where == "resident":
                 self.driver.memcpy_htod_async(t.block.va, dest(t), t.payload, self.stream)
                 self.driver.stream_synchronize(self.stream)   # the staging area is reused by the next tensor

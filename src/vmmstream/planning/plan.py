@@ -5,7 +5,8 @@ returns a ``Plan`` whose parts add up to at most the budget, or raises ``Capacit
 part of the floor — before ``load_model`` allocates anything (invariant I9).
 
 Device sizes: weights live on the device as bf16 (the kernels' storage type; an f16/f32 checkpoint is
-converted at load), so a tensor's payload is ``numel · 2`` bytes; each tensor owns a VA range of whole
+converted at load), so a tensor's payload is ``numel · 2`` bytes — or, with ``quantize``, the quantized
+layout's bytes for the weights ``vmmstream.quantization`` quantizes; each tensor owns a VA range of whole
 granules, so it costs its payload rounded up to the granularity.
 """
 
@@ -62,6 +63,7 @@ class Plan:
     sources: dict = field(default_factory=dict, hash=False)
     exact: bool = True              # the residency choice is proven optimal (False: greedy fallback)
     notes: tuple = ()
+    quantization: str | None = None  # "int4" / "mxfp4": the layers' linear weights are stored quantized
 
     @property
     def device_bytes(self) -> int:
@@ -97,7 +99,7 @@ class Plan:
             "strategy", "budget", "budget_source", "budget_detail", "granularity", "max_context", "batch",
             "architecture", "weight_bytes", "resident_bytes", "streamed_bytes_per_token", "host_bytes",
             "slot_count", "slot_bytes", "kv_bytes", "activations", "floor", "h2d_gbps", "tokens_per_s_bound",
-            "exact")}
+            "exact", "quantization")}
         d.update(workspace=dict(self.workspace), device_bytes=self.device_bytes, leases=self.leases(),
                  sources=dict(self.sources), notes=list(self.notes),
                  placements=[{"name": p.name, "where": p.where, "device_bytes": p.device_bytes,
@@ -115,14 +117,16 @@ class Plan:
 def make_plan(config, tensors, budget_bytes: int, *, budget_source="explicit", max_context: int | None = None,
               batch: int | None = None, slots: int | None = None, granularity: int | None = None,
               workspace: Mapping | None = None, h2d_gbps: float | None = None, legacy: bool = False,
-              prefill_chunk: int = fl.PREFILL_CHUNK, sources: Mapping | None = None) -> Plan:
+              prefill_chunk: int = fl.PREFILL_CHUNK, sources: Mapping | None = None,
+              quantize: str | None = None) -> Plan:
     """Plan a model of ``config`` (a ``ModelConfig``) with ``tensors`` (name -> info with ``.shape``) in a budget.
 
     ``budget_source``: "explicit", "env" or "inferred", or a ``(kind, detail)`` pair. ``max_context``
     defaults to min(4096, max_position_embeddings); ``batch`` to 1; ``slots`` (K >= 2) to 2;
     ``granularity`` to 2 MiB; ``workspace`` ({"step", "session"} peak bytes from the kernels'
     ``workspace_requirement``) to ``floor.estimate_workspace``. ``sources`` overrides where a number
-    came from (e.g. ``{"granularity": "explicit"}`` when it was queried from the driver).
+    came from (e.g. ``{"granularity": "explicit"}`` when it was queried from the driver). ``quantize``
+    ("int4" | "mxfp4"): size the layers' linear weights as stored quantized (``vmmstream.quantization``).
 
     Strategy: every dense weight + the floor without slots fits -> ``resident``; else ``streamed``
     with the byte-optimal resident set (see ``residency``); ``legacy=True`` never streams.
@@ -155,6 +159,8 @@ def make_plan(config, tensors, budget_bytes: int, *, budget_source="explicit", m
         if v not in SOURCES:
             raise ValueError(f"source {v!r} for {k!r} is not one of {', '.join(SOURCES)}")
         src[k] = v
+    from ..quantization import check_kind, is_linear, payload as q_payload, quantizable
+    quantize = check_kind(quantize)
     budget_bytes, max_context, batch, gran = int(budget_bytes), int(max_context), int(batch), int(gran)
     config.check_context(max_context)
 
@@ -165,7 +171,7 @@ def make_plan(config, tensors, budget_bytes: int, *, budget_source="explicit", m
     if missing:
         raise ValueError(f"tensors lack {len(missing)} the {config.architecture} decode step reads: "
                          f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-    payload = [_payload(infos[n]) for n in schedule]
+    payload = [q_payload(n, infos[n].shape, quantize) for n in schedule]
     dev = [fl.round_up(p, gran) for p in payload]
     weight_bytes = sum(dev)
 
@@ -179,7 +185,15 @@ def make_plan(config, tensors, budget_bytes: int, *, budget_source="explicit", m
                  kind=kind, detail=detail)
 
     notes = _notes(config, max_context)
-    common = dict(budget=budget_bytes, budget_source=kind, budget_detail=detail, granularity=gran,
+    if quantize:
+        nq = sum(1 for n in schedule if quantizable(n, infos[n].shape, quantize))
+        kept = sum(1 for n in schedule if is_linear(n)) - nq
+        notes += (f"{quantize}: {nq} linear weights of the layers stored quantized (sizes above are the "
+                  "quantized ones); embeddings, the output head, norms and biases stay bf16",)
+        if kept:
+            notes += (f"{kept} linear weights stay bf16: their input dim is not a multiple of the "
+                      f"{quantize} group",)
+    common = dict(quantization=quantize, budget=budget_bytes, budget_source=kind, budget_detail=detail, granularity=gran,
                   max_context=max_context, batch=batch, architecture=config.architecture,
                   weight_bytes=weight_bytes, kv_bytes=kv, workspace=ws, activations=act, h2d_gbps=h2d_gbps,
                   sources=src)

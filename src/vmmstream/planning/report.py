@@ -16,7 +16,8 @@ def plan_table(plan, tensors: bool = False) -> str:
         ("granularity", format_bytes(plan.granularity), s.get("granularity", "")),
         ("max_context x batch", f"{plan.max_context} x {plan.batch}",
          f"{s.get('max_context', '')} / {s.get('batch', '')}"),
-        ("weights on device", format_bytes(plan.weight_bytes), f"{n_res + n_str} tensors, whole granules each"),
+        ("weights on device", format_bytes(plan.weight_bytes), f"{n_res + n_str} tensors, whole granules each"
+         + (f"; layers' linear weights {plan.quantization}" if plan.quantization else "")),
         ("  resident", format_bytes(plan.resident_bytes), f"{n_res} tensors"),
     ]
     if plan.slot_count:
