@@ -10,13 +10,23 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM)
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
+                          MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM)
 
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM, {}),
          "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 4096}),
          "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": False}),
-         "qwen2-tied": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True})}
+         "qwen2-tied": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True}),
+         # mixtures of experts: 6 experts, top-2; the expert size is Mixtral's intermediate_size
+         "mixtral": (MixtralConfig, MixtralForCausalLM, {"num_local_experts": 6, "num_experts_per_tok": 2}),
+         "qwen2-moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                       {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                        "shared_expert_intermediate_size": 96, "norm_topk_prob": False,
+                        "tie_word_embeddings": False}),
+         "qwen2-moe-norm": (Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                            {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                             "shared_expert_intermediate_size": 96, "norm_topk_prob": True,
+                             "tie_word_embeddings": False})}
 
 
 def build_reference(arch: str, seed: int, out, common: dict, prompt: list[int], new: int, quantize=None):
@@ -32,6 +42,9 @@ def build_reference(arch: str, seed: int, out, common: dict, prompt: list[int], 
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0.0, 0.1)
+        for layer in model.model.layers:   # routers: decisive top-k choices, not near-uniform softmaxes
+            if hasattr(layer.mlp, "experts"):
+                layer.mlp.gate.weight.mul_(20.0)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     ref = model_cls.from_pretrained(out, dtype=torch.float32).eval()
     if quantize is not None:

@@ -487,6 +487,11 @@ def workspace_peaks(config, max_context: int, tmax: int) -> dict:
 def _check_cuda_shapes(c) -> None:
     from vmmstream.kernels import attention_decode
     from .model import UnsupportedModelError
+    if c.is_moe:
+        raise UnsupportedModelError(
+            f"{c.architecture}: mixture-of-experts models run on the host backend only in this version (the CUDA "
+            "MoE kernels exist in vmmstream.kernels.moe but the CUDA step does not use them yet); pass "
+            "backend='host'")
     g = c.num_attention_heads // c.num_key_value_heads
     if c.head_dim not in attention_decode.HEAD_DIMS or g > attention_decode.MAX_GROUP:
         raise UnsupportedModelError(

@@ -1,7 +1,8 @@
 """Quantize at load: which weights, how they are laid out on the device, and what it cost in error.
 
 ``load_model(path, budget, quantize="int4" | "mxfp4")`` quantizes the decoder layers' linear weights
-(q/k/v/o, gate/up/down projections) with the host round-to-nearest quantizers of ``kernels/quant.py`` while
+(q/k/v/o, gate/up/down projections; in a mixture of experts every expert's and the shared expert's, not the
+router) with the host round-to-nearest quantizers of ``kernels/quant.py`` while
 the checkpoint is read. The embedding table, the output head, norms and biases stay bf16: the head decides
 every token and is read once per step, the rest is small. A weight whose input dim is not a multiple of the
 format's group (128 for int4, 32 for MXFP4) stays bf16, and the plan says so.
@@ -22,7 +23,9 @@ import numpy as np
 KINDS = ("int4", "mxfp4")
 GROUP = {"int4": 128, "mxfp4": 32}
 _ALIGN = 256
-_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj"
+                     r"|mlp\.experts\.\d+\.(gate|up|down)_proj|mlp\.shared_expert\.(gate|up|down)_proj"
+                     r"|block_sparse_moe\.experts\.\d+\.w[123])\.weight$")
 
 
 def check_kind(kind):

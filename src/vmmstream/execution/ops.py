@@ -141,6 +141,68 @@ class HostOps:
         ref = self.k["elementwise"].reference_silu_mul
         self._run(s, lambda: self._copy(out, ref(gate, up)))
 
+    # -- mixture of experts (host references; the tokens routed to an expert are read from the device
+    #    buffers when the op runs, so one recorded graph serves every routing) --
+    def moe_route(self, s, logits, topk_ids, topk_w, norm: bool):
+        """softmax over the experts (fp64), top-k (ties: the lower expert id), optionally renormalised."""
+        def run():
+            lg = np.asarray(logits, np.float64)
+            p = np.exp(lg - lg.max(axis=1, keepdims=True))
+            p /= p.sum(axis=1, keepdims=True)
+            k = topk_ids.shape[1]
+            ids = np.argsort(-p, axis=1, kind="stable")[:, :k]
+            w = np.take_along_axis(p, ids, axis=1)
+            if norm:
+                w = w / w.sum(axis=1, keepdims=True)
+            topk_ids[...] = ids.astype(np.int32)
+            topk_w[...] = w.astype(np.float32)
+        self._run(s, run)
+
+    def fill_zero(self, s, buf):
+        self._run(s, lambda: self._copy(buf, 0))
+
+    def expert_gate_up(self, s, e, topk_ids, w_gate, w_up, x, out):
+        """out[t] = silu(x[t] · w_gateᵀ) * (x[t] · w_upᵀ) (gate and up rounded to bf16, as the GEMVs store
+        them) for the tokens routed to expert ``e``; other rows are left as they are."""
+        gemv, silu_mul = self.k["gemv"], self.k["elementwise"].reference_silu_mul
+
+        def run():
+            rows = np.nonzero((np.asarray(topk_ids) == e).any(axis=1))[0]
+            if rows.size:
+                xr = x[rows]
+                g = self._bf16(self._mm(gemv, w_gate, xr))
+                u = self._bf16(self._mm(gemv, w_up, xr))
+                out[rows] = silu_mul(g, u)
+        self._run(s, run)
+
+    def expert_down_acc(self, s, e, topk_ids, topk_w, w_down, h, acc):
+        """acc[t] += weight(t, e) * (h[t] · w_downᵀ) in fp32 for the tokens routed to expert ``e``."""
+        gemv = self.k["gemv"]
+
+        def run():
+            hit = np.asarray(topk_ids) == e
+            rows = np.nonzero(hit.any(axis=1))[0]
+            if rows.size:
+                wt = (np.asarray(topk_w) * hit).sum(axis=1)[rows]
+                acc[rows] += (wt[:, None].astype(np.float64) * self._mm(gemv, w_down, h[rows])).astype(np.float32)
+        self._run(s, run)
+
+    def moe_finish(self, s, acc, out, shared=None, shared_gate=None):
+        """out = acc (+ sigmoid(shared_gate) * shared), rounded to bf16."""
+        def run():
+            y = np.asarray(acc, np.float64)
+            if shared is not None:
+                from vmmstream.kernels.dtypes import bf16_to_f32
+                sh = bf16_to_f32(shared).astype(np.float64)
+                g = 1.0 / (1.0 + np.exp(-np.asarray(shared_gate, np.float64))) if shared_gate is not None else 1.0
+                y = y + g * sh
+            out[...] = self._bf16(y.astype(np.float32))
+        self._run(s, run)
+
+    def _mm(self, gemv, w, x):
+        """x · wᵀ in fp32 for a bf16 or quantized weight."""
+        return self._qref(w, x, None) if _is_q(w) else gemv.reference(w, x)
+
     def argmax(self, s, logits, out_ids, ws):
         ref = self.k["sampling"].reference_argmax
         self._run(s, lambda: self._copy(out_ids, ref(logits)))

@@ -36,7 +36,8 @@ class Activations:
 
     def __init__(self, mem, ops, config, plan, holder: str, tmax: int):
         c = config
-        h, qd, kvd, inter, v = c.hidden_size, c.q_dim, c.kv_dim, c.intermediate_size, c.vocab_size
+        h, qd, kvd, v = c.hidden_size, c.q_dim, c.kv_dim, c.vocab_size
+        inter = max(c.intermediate_size, c.moe_intermediate_size, c.shared_expert_intermediate_size)
         self.tmax, self.ops = tmax, ops
         # name -> (per-token shape or fixed shape, dtype, scales with T)
         self.spec = {
@@ -50,6 +51,11 @@ class Activations:
             "rng": ((4,), np.uint64, False), "out_tokens": ((1, plan.max_context), np.int32, False),
             "inv_freq": ((c.head_dim // 2,), np.float32, False),
         }
+        if c.is_moe:
+            E, k = c.num_experts, c.num_experts_per_tok
+            self.spec.update({"router": ((E,), np.float32, True), "moe_acc": ((h,), np.float32, True),
+                              "topk_ids": ((k,), np.int32, True), "topk_w": ((k,), np.float32, True),
+                              "sgate": ((1,), np.float32, True)})
         self.offsets, off = {}, 0
         for name, (shape, dt, per_t) in self.spec.items():
             n = math.prod(shape) * np.dtype(dt).itemsize * (tmax if per_t else 1)
@@ -78,6 +84,13 @@ class Activations:
             v["k3"] = self.ops.view(self.addr("k"), (t, c.num_key_value_heads, c.head_dim), np.uint16)
             v["v3"] = self.ops.view(self.addr("v"), (t, c.num_key_value_heads, c.head_dim), np.uint16)
             v["attn3"] = self.ops.view(self.addr("attn"), (t, c.num_attention_heads, c.head_dim), np.uint16)
+            if c.is_moe:
+                v["eg"] = self.ops.view(self.addr("gate"), (t, c.moe_intermediate_size), np.uint16)
+                v["eu"] = self.ops.view(self.addr("up"), (t, c.moe_intermediate_size), np.uint16)
+                si = c.shared_expert_intermediate_size
+                if si:
+                    v["sg"] = self.ops.view(self.addr("gate"), (t, si), np.uint16)
+                    v["su"] = self.ops.view(self.addr("up"), (t, si), np.uint16)
             v["xn_last"] = self.ops.view(self.addr("xn") + (t - 1) * c.hidden_size * 2, (1, c.hidden_size),
                                          np.uint16)
             self._views[t] = _NS(v)
@@ -144,19 +157,53 @@ class Step:
             self._use([wo], lambda: mm(a.proj, W(wo), a.attn))
             ln2 = p + "post_attention_layernorm.weight"
             self._use([ln2], lambda: o.rmsnorm(S, a.proj, W(ln2), a.xn, self.eps, residual=a.x))
-            wg, wu, wd = (p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down"))
-            if decode and self._fusable([wg, wu]):
-                self._use([wg, wu], lambda: o.gemv_gate_up_silu(S, W(wg), W(wu), a.xn, a.gate))
+            if c.is_moe:
+                self._moe(layer, a, mm)
             else:
-                self._use([wg], lambda: mm(a.gate, W(wg), a.xn))
-                self._use([wu], lambda: mm(a.up, W(wu), a.xn))
-                o.silu_mul(S, a.gate, a.up, a.gate)
-            self._use([wd], lambda: mm(a.proj, W(wd), a.gate))
+                self._mlp(p, a, mm, decode)
             nxt = (f"model.layers.{layer + 1}.input_layernorm.weight" if layer + 1 < c.num_hidden_layers
                    else "model.norm.weight")
             self._use([nxt], lambda: o.rmsnorm(S, a.proj, W(nxt), a.xn, self.eps, residual=a.x))
         last = a.xn if decode else a.xn_last
         self._use([self.head], lambda: o.gemv(S, W(self.head), last, a.logits))
+
+    def _mlp(self, p, a, mm, decode) -> None:
+        """proj = (silu(xn · Wgᵀ) * (xn · Wuᵀ)) · Wdᵀ."""
+        o, S, W = self.ops, self.S, self.w.array
+        wg, wu, wd = (p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down"))
+        if decode and self._fusable([wg, wu]):
+            self._use([wg, wu], lambda: o.gemv_gate_up_silu(S, W(wg), W(wu), a.xn, a.gate))
+        else:
+            self._use([wg], lambda: mm(a.gate, W(wg), a.xn))
+            self._use([wu], lambda: mm(a.up, W(wu), a.xn))
+            o.silu_mul(S, a.gate, a.up, a.gate)
+        self._use([wd], lambda: mm(a.proj, W(wd), a.gate))
+
+    def _moe(self, layer, a, mm) -> None:
+        """proj = Σ_k weight_k · expert_k(xn) (+ sigmoid(xn · w_sgᵀ) · shared(xn)): router logits (fp32),
+        softmax + top-k, then every expert in schedule order — its gate/up (one read), its down accumulated
+        with the routing weight in fp32 — then the shared expert and the bf16 output. Each expert op reads
+        the routing from the device, so an expert no token chose costs no math (its weights are still
+        read in schedule order when they stream)."""
+        o, S, W, c = self.ops, self.S, self.w.array, self.c
+        rn = c.router_name(layer)
+        self._use([rn], lambda: mm(a.router, W(rn), a.xn))
+        o.moe_route(S, a.router, a.topk_ids, a.topk_w, c.norm_topk_prob)
+        o.fill_zero(S, a.moe_acc)
+        for e in range(c.num_experts):
+            g, u, d = c.expert_names(layer, e)
+            self._use([g, u], lambda g=g, u=u, e=e: o.expert_gate_up(S, e, a.topk_ids, W(g), W(u), a.xn, a.eg))
+            self._use([d], lambda d=d, e=e: o.expert_down_acc(S, e, a.topk_ids, a.topk_w, W(d), a.eg, a.moe_acc))
+        if c.shared_expert_intermediate_size:
+            sg, su, sd, sgate = c.shared_expert_names(layer)
+            self._use([sg], lambda: mm(a.sg, W(sg), a.xn))
+            self._use([su], lambda: mm(a.su, W(su), a.xn))
+            o.silu_mul(S, a.sg, a.su, a.sg)
+            self._use([sd], lambda: mm(a.proj, W(sd), a.sg))
+            self._use([sgate], lambda: mm(a.sgate, W(sgate), a.xn))
+            o.moe_finish(S, a.moe_acc, a.proj, a.proj, a.sgate)
+        else:
+            o.moe_finish(S, a.moe_acc, a.proj)
 
     def select(self, sampling) -> None:
         """next = argmax(logits) (``sampling`` None) or a draw with (temperature, top_k, top_p)."""

@@ -1,4 +1,5 @@
-"""A dense decoder's shape, parsed from a Hugging Face ``config.json`` (Llama, Mistral, Qwen2).
+"""A decoder's shape, parsed from a Hugging Face ``config.json``: dense (Llama, Mistral, Qwen2) or mixture of
+experts (Mixtral; Qwen2-MoE with its shared expert).
 
 ``ModelConfig`` also names the model's tensors and the order a decode step reads them, because that
 is architecture knowledge: the checkpoint reader validates against ``tensor_shapes()`` and the
@@ -24,7 +25,11 @@ ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", 2048),
     "MistralForCausalLM": ("mistral", 4096 * 32),
     "Qwen2ForCausalLM": ("qwen2", 32768),
+    "MixtralForCausalLM": ("mixtral", 4096 * 32),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", 32768),
 }
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
+_QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 _BY_MODEL_TYPE = {mt: arch for arch, (mt, _) in ARCHITECTURES.items()}
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -49,6 +54,12 @@ class ModelConfig:
     attention_bias: bool = False       # q/k/v biases (Qwen2); no o_proj bias
     torch_dtype: str | None = "bfloat16"
     sliding_window: int | None = None  # recorded; attention here is full causal (see check_context)
+    # mixture of experts (0 experts: a dense MLP)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0     # each routed expert's intermediate size
+    norm_topk_prob: bool = False       # renormalise the top-k routing weights to sum to 1 (Mixtral: always)
+    shared_expert_intermediate_size: int = 0   # Qwen2-MoE's always-on expert (with a sigmoid gate); 0: none
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -61,7 +72,7 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}; grouped-query attention needs it")
-        if self.attention_bias != (self.architecture == "Qwen2ForCausalLM"):
+        if self.attention_bias != (self.architecture in _QKV_BIAS):
             raise UnsupportedModelError(
                 f"attention_bias={self.attention_bias} does not match {self.architecture}: Qwen2 always has q/k/v "
                 "biases, Llama and Mistral (as supported here) never do")
@@ -76,8 +87,23 @@ class ModelConfig:
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
             raise UnsupportedModelError(f"sliding_window={self.sliding_window!r} must be a positive integer or null")
         _check_rope_scaling(self.rope_scaling)
+        if self.is_moe:
+            for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+                v = getattr(self, name)
+                if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                    raise UnsupportedModelError(f"{self.architecture}: config field {name}={v!r} must be a positive "
+                                                "integer")
+            if self.num_experts_per_tok > self.num_experts:
+                raise UnsupportedModelError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                                            f"num_experts={self.num_experts}")
+        elif self.num_experts:
+            raise UnsupportedModelError(f"{self.architecture} is dense; num_experts={self.num_experts} is not used")
 
     # -- derived sizes --
+    @property
+    def is_moe(self) -> bool:
+        return self.architecture in MOE_ARCHITECTURES
+
     @property
     def model_type(self) -> str:
         return ARCHITECTURES[self.architecture][0]
@@ -126,10 +152,39 @@ class ModelConfig:
                 out[p + f"self_attn.{proj}_proj.bias"] = (rows,)
         out[p + "self_attn.o_proj.weight"] = (h, self.q_dim)
         out[p + "post_attention_layernorm.weight"] = (h,)
-        out[p + "mlp.gate_proj.weight"] = (self.intermediate_size, h)
-        out[p + "mlp.up_proj.weight"] = (self.intermediate_size, h)
-        out[p + "mlp.down_proj.weight"] = (h, self.intermediate_size)
+        if not self.is_moe:
+            out[p + "mlp.gate_proj.weight"] = (self.intermediate_size, h)
+            out[p + "mlp.up_proj.weight"] = (self.intermediate_size, h)
+            out[p + "mlp.down_proj.weight"] = (h, self.intermediate_size)
+            return out
+        i_moe = self.moe_intermediate_size
+        out[self.router_name(i)] = (self.num_experts, h)
+        for e in range(self.num_experts):
+            g, u, d = self.expert_names(i, e)
+            out[g], out[u], out[d] = (i_moe, h), (i_moe, h), (h, i_moe)
+        if self.shared_expert_intermediate_size:
+            g, u, d, gate = self.shared_expert_names(i)
+            si = self.shared_expert_intermediate_size
+            out[g], out[u], out[d], out[gate] = (si, h), (si, h), (h, si), (1, h)
         return out
+
+    # -- mixture of experts: tensor names --
+    def router_name(self, i: int) -> str:
+        return f"model.layers.{i}." + ("block_sparse_moe.gate.weight" if self.model_type == "mixtral"
+                                       else "mlp.gate.weight")
+
+    def expert_names(self, i: int, e: int) -> tuple[str, str, str]:
+        """(gate, up, down) weights of routed expert ``e`` in layer ``i``."""
+        p = f"model.layers.{i}."
+        if self.model_type == "mixtral":
+            return tuple(p + f"block_sparse_moe.experts.{e}.{w}.weight" for w in ("w1", "w3", "w2"))
+        return tuple(p + f"mlp.experts.{e}.{w}_proj.weight" for w in ("gate", "up", "down"))
+
+    def shared_expert_names(self, i: int) -> tuple[str, str, str, str]:
+        """(gate, up, down, sigmoid gate) of Qwen2-MoE's shared expert in layer ``i``."""
+        p = f"model.layers.{i}.mlp."
+        return (p + "shared_expert.gate_proj.weight", p + "shared_expert.up_proj.weight",
+                p + "shared_expert.down_proj.weight", p + "shared_expert_gate.weight")
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the checkpoint must hold, with its shape: embedding, layers in read order, norm, head."""
@@ -192,7 +247,22 @@ class ModelConfig:
             head_dim = d["hidden_size"] // heads
         rope_theta, rope_scaling = _rope(d)
         sliding = d.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not d.get("use_sliding_window", False):
+        moe = {}
+        if arch == "MixtralForCausalLM":
+            moe = dict(num_experts=d.get("num_local_experts"), num_experts_per_tok=d.get("num_experts_per_tok"),
+                       moe_intermediate_size=d["intermediate_size"], norm_topk_prob=True)
+        elif arch == "Qwen2MoeForCausalLM":
+            if d.get("decoder_sparse_step", 1) != 1 or d.get("mlp_only_layers"):
+                raise UnsupportedModelError(
+                    "Qwen2-MoE with dense layers (decoder_sparse_step != 1 or mlp_only_layers) is not supported; "
+                    "every layer must be sparse")
+            if d.get("qkv_bias", True) is not True:
+                raise UnsupportedModelError("Qwen2-MoE without q/k/v biases (qkv_bias false) is not supported")
+            moe = dict(num_experts=d.get("num_experts"), num_experts_per_tok=d.get("num_experts_per_tok"),
+                       moe_intermediate_size=d.get("moe_intermediate_size"),
+                       norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                       shared_expert_intermediate_size=d.get("shared_expert_intermediate_size") or 0)
+        if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") and not d.get("use_sliding_window", False):
             sliding = None      # Qwen2 records a window but only uses it with use_sliding_window
         if arch == "LlamaForCausalLM":
             sliding = None
@@ -211,9 +281,10 @@ class ModelConfig:
                 rope_scaling=rope_scaling,
                 max_position_embeddings=d.get("max_position_embeddings") or default_max_pos,
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                attention_bias=arch == "Qwen2ForCausalLM",
+                attention_bias=arch in _QKV_BIAS,
                 torch_dtype=d.get("torch_dtype", d.get("dtype")),
                 sliding_window=sliding,
+                **moe,
             )
         except UnsupportedModelError:
             raise
@@ -245,8 +316,17 @@ class ModelConfig:
         }
         if self.model_type == "llama":
             d.update(attention_bias=False, mlp_bias=False)
-        elif self.model_type == "mistral":
+        elif self.model_type in ("mistral", "mixtral"):
             d["sliding_window"] = self.sliding_window
+            if self.model_type == "mixtral":
+                d.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                         intermediate_size=self.moe_intermediate_size)
+        elif self.model_type == "qwen2_moe":
+            d.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_hidden_layers,
+                     num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                     moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                     shared_expert_intermediate_size=self.shared_expert_intermediate_size,
+                     decoder_sparse_step=1, mlp_only_layers=[], qkv_bias=True)
         else:
             d.update(use_sliding_window=self.sliding_window is not None,
                      sliding_window=self.sliding_window, max_window_layers=self.num_hidden_layers)
@@ -271,7 +351,7 @@ def load_config(path) -> ModelConfig:
 
 def _unsupported_arch(arch) -> str:
     return (f"architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)} "
-            "(dense Llama, Mistral and Qwen2 decoders)")
+            "(dense Llama, Mistral and Qwen2 decoders; Mixtral and Qwen2-MoE)")
 
 
 def _architecture(d: dict) -> str:

@@ -64,6 +64,19 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                               num_attention_heads=24, num_key_value_heads=8, head_dim=128,
                               max_position_embeddings=4096, rms_norm_eps=1e-5),
            "Llama-shaped 3.0B (5.62 GiB bf16), the GPU.md benchmark model"),
+    Preset("mixtral-tiny", _llama(architecture="MixtralForCausalLM", vocab_size=256, hidden_size=64,
+                                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                                  rms_norm_eps=1e-5, num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=128, norm_topk_prob=True),
+           "Mixtral-shaped, 4 experts top-2, ~0.2 M parameters: CPU tests"),
+    Preset("mixtral-4l", _llama(architecture="MixtralForCausalLM", vocab_size=32000, hidden_size=4096,
+                                intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32,
+                                num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+                                rms_norm_eps=1e-5, num_experts=8, num_experts_per_tok=2,
+                                moe_intermediate_size=14336, norm_topk_prob=True),
+           "Mixtral-8x7B layer shape (8 experts top-2, hidden 4096, expert 14336), 4 layers: 5.9 B parameters, "
+           "the MoE benchmark model"),
 )}
 
 

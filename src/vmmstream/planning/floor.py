@@ -56,11 +56,19 @@ def activation_bytes(config, max_context: int, batch: int, granularity: int,
     4 hidden-sized buffers (residual stream, normed input, attention output, projection output),
     q, k and v (``(Hq + 2·Hkv) · head_dim``) and 3 MLP-sized buffers (gate, up, gated product);
     plus fp32 logits for one position per sequence (``vocab · 4 · batch``) and int32 token ids and
-    positions (``8 · T · batch``). Decode uses a prefix of the same buffers (T = 1).
+    positions (``8 · T · batch``). Decode uses a prefix of the same buffers (T = 1). The MLP width is the
+    widest of the dense, routed-expert and shared-expert intermediate sizes; a mixture of experts adds fp32
+    router logits (``4 · experts``), an fp32 accumulator of the routed experts' outputs (``4 · hidden``)
+    and the top-k ids and weights (``8 · k``) per token.
     """
     t = min(prefill_chunk, max_context)
+    width = max(config.intermediate_size, getattr(config, "moe_intermediate_size", 0),
+                getattr(config, "shared_expert_intermediate_size", 0))
     per_token = BF16 * (4 * config.hidden_size
                         + (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
-                        + 3 * config.intermediate_size)
+                        + 3 * width)
+    experts = getattr(config, "num_experts", 0)
+    if experts:
+        per_token += 4 * experts + 4 * config.hidden_size + 8 * config.num_experts_per_tok
     raw = batch * t * (per_token + 8) + batch * config.vocab_size * 4
     return round_up(raw, granularity)
