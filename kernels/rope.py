@@ -138,6 +138,82 @@ def _make(vec: int, threads: int):
     return cuda.jit(rope_kernel)
 
 
+@cuda.jit(device=True, inline="always")
+def _rot8_to(arr, t, h, j, half, cs, sn, dst, p):
+    """``_rot8``, also storing the rotated words at dst[p, h] (the KV cache row of position p)."""
+    a0, a1, a2, a3 = ld8(arr, (t, h, j))
+    b0, b1, b2, b3 = ld8(arr, (t, h, half + j))
+    a0, b0 = _rot_words(a0, b0, cs[j], sn[j], cs[j + 1], sn[j + 1])
+    a1, b1 = _rot_words(a1, b1, cs[j + 2], sn[j + 2], cs[j + 3], sn[j + 3])
+    a2, b2 = _rot_words(a2, b2, cs[j + 4], sn[j + 4], cs[j + 5], sn[j + 5])
+    a3, b3 = _rot_words(a3, b3, cs[j + 6], sn[j + 6], cs[j + 7], sn[j + 7])
+    st8(arr, (t, h, j), a0, a1, a2, a3)
+    st8(arr, (t, h, half + j), b0, b1, b2, b3)
+    if p >= 0:
+        st8(dst, (p, h, j), a0, a1, a2, a3)
+        st8(dst, (p, h, half + j), b0, b1, b2, b3)
+
+
+@cuda.jit(device=True, inline="always")
+def _rot1_to(arr, t, h, i, half, cs, sn, dst, p):
+    x1 = dev_bf16_to_f32(arr[t, h, i])
+    x2 = dev_bf16_to_f32(arr[t, h, half + i])
+    y1 = dev_f32_to_bf16(x1 * cs[i] - x2 * sn[i])
+    y2 = dev_f32_to_bf16(x2 * cs[i] + x1 * sn[i])
+    arr[t, h, i] = y1
+    arr[t, h, half + i] = y2
+    if p >= 0:
+        dst[p, h, i] = y1
+        dst[p, h, half + i] = y2
+
+
+@functools.lru_cache(maxsize=None)
+def _make_append(vec: int, threads: int):
+    def rope_append_kernel(q, k, v, ck, cv, positions, inv_freq, half):
+        # q: [T, Hq, D], k, v: [T, Hkv, D] bf16 (q and k rotated in place); ck, cv: [S_max, Hkv, D] the
+        # layer's cache (strided rows); rotated k and v go to row positions[t] when it is in [0, S_max).
+        # grid: T; block: threads
+        t = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        cs = cuda.shared.array(MAX_HALF, np.float32)
+        sn = cuda.shared.array(MAX_HALF, np.float32)
+        p = positions[t]
+        pos = np.float32(p)
+        if p >= ck.shape[0]:
+            p = -1
+        for i in range(tid, half, threads):
+            sn[i], cs[i] = _sincos(pos * inv_freq[i])
+        cuda.syncthreads()
+        hq, hkv = q.shape[1], k.shape[1]
+        per_head = half // vec
+        for it in range(tid, (hq + hkv) * per_head, threads):
+            h = it // per_head
+            j = (it - h * per_head) * vec
+            if vec == 8:
+                if h < hq:
+                    _rot8(q, t, h, j, half, cs, sn)
+                else:
+                    _rot8_to(k, t, h - hq, j, half, cs, sn, ck, p)
+            else:
+                if h < hq:
+                    _rot1(q, t, h, j, half, cs, sn)
+                else:
+                    _rot1_to(k, t, h - hq, j, half, cs, sn, ck, p)
+        if p >= 0:
+            d = 2 * half
+            per_row = d // vec
+            for it in range(tid, hkv * per_row, threads):
+                h = it // per_row
+                j = (it - h * per_row) * vec
+                if vec == 8:
+                    w0, w1, w2, w3 = ld8(v, (t, h, j))
+                    st8(cv, (p, h, j), w0, w1, w2, w3)
+                else:
+                    cv[p, h, j] = v[t, h, j]
+
+    return cuda.jit(rope_append_kernel)
+
+
 def workspace_requirement(tokens: int, q_heads: int, kv_heads: int, head_dim: int):
     """RoPE needs no scratch (cos/sin live in shared memory)."""
     return NONE
@@ -155,6 +231,36 @@ def apply_rope(q, k, positions, inv_freq, *, workspace=None, stream=None, thread
     # 8-pair groups need D/2 % 8 == 0 and 16-byte aligned halves
     vec = 8 if half % 8 == 0 and vec8_ok(q, k) else 1
     _make(vec, check_threads(threads))[t, threads, as_stream(stream)](q, k, positions, inv_freq, half)
+
+
+def apply_rope_append_kv(q, k, v, ck, cv, positions, inv_freq, *, workspace=None, stream=None,
+                         threads: int = 128):
+    """``apply_rope`` on q and k, then rotated k and v written to the layer's cache rows ``positions[t]``
+    (ck, cv: [S_max, Hkv, D], rows may be strided; a position outside [0, S_max) writes nothing), in one
+    launch: what a decode step did with a RoPE launch and a KV-append launch."""
+    t, hq, d = q.shape
+    check_workspace("rope_append_kv", workspace, workspace_requirement(t, hq, k.shape[1], d).bytes)
+    half = d // 2
+    hkv = k.shape[1]
+    if (d % 2 or tuple(k.shape) != (t, hkv, d) or tuple(v.shape) != (t, hkv, d) or positions.shape != (t,)
+            or inv_freq.shape != (half,) or half > MAX_HALF or ck.shape[1:] != (hkv, d)
+            or tuple(cv.shape) != tuple(ck.shape)):
+        raise ValueError(f"rope_append_kv shapes: q {q.shape}, k {k.shape}, v {v.shape}, cache {ck.shape} / "
+                         f"{cv.shape}, positions {positions.shape}, inv_freq {inv_freq.shape}")
+    vec = 8 if half % 8 == 0 and vec8_ok(q, k, v, ck, cv) else 1
+    _make_append(vec, check_threads(threads))[t, threads, as_stream(stream)](q, k, v, ck, cv, positions, inv_freq,
+                                                                            half)
+
+
+def reference_append_kv(q, k, v, ck, cv, positions, inv_freq):
+    """NumPy twin of ``apply_rope_append_kv``: returns (q', k', ck', cv') as new arrays."""
+    qr, kr = reference(q, positions, inv_freq), reference(k, positions, inv_freq)
+    ck, cv = np.array(ck), np.array(cv)
+    for t, p in enumerate(np.asarray(positions)):
+        if 0 <= p < ck.shape[0]:
+            ck[p] = kr[t]
+            cv[p] = v[t]
+    return qr, kr, ck, cv
 
 
 def reference(x, positions, inv_freq) -> np.ndarray:
@@ -180,5 +286,8 @@ def flops(tokens: int, q_heads: int, kv_heads: int, head_dim: int) -> int:
 
 _SIG = "void(uint16[:, :, ::1], uint16[:, :, ::1], int32[::1], float32[::1], int64)"
 _SIG_STRIDED = "void(uint16[:, :, :], uint16[:, :, :], int32[::1], float32[::1], int64)"  # q/k views of qkv
+_SIG_APPEND = ("void(uint16[:, :, ::1], uint16[:, :, ::1], uint16[:, :, ::1], uint16[:, :, :], uint16[:, :, :], "
+               "int32[::1], float32[::1], int64)")
 SIGNATURES = [(_make(8, 128).py_func, _SIG), (_make(8, 128).py_func, _SIG_STRIDED),
-              (_make(1, 128).py_func, _SIG)]
+              (_make(1, 128).py_func, _SIG), (_make_append(8, 128).py_func, _SIG_APPEND),
+              (_make_append(1, 128).py_func, _SIG_APPEND)]

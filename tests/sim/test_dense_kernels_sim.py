@@ -219,6 +219,34 @@ def test_rope_matches_reference(d, scaling):
     np.testing.assert_array_equal(bf16_to_f32(dq.copy_to_host())[0], bf16_to_f32(q)[0])  # position 0
 
 
+@pytest.mark.parametrize("d", [16, 10])
+def test_rope_append_kv_matches_rope_then_append(d):
+    """The fused RoPE + KV-append launch: q and k rotated like ``apply_rope``, rotated k and v written to
+    the cache rows at the device positions (a strided per-layer view of a layer-interleaved cache, like the
+    executor's), a position past the cache writes nothing, other rows untouched."""
+    rng = np.random.default_rng(d + 1)
+    t, hq, hkv, s_max, layers = 3, 4, 2, 9, 2
+    q, k, v = bf16(rng, (t, hq, d)), bf16(rng, (t, hkv, d)), bf16(rng, (t, hkv, d))
+    cache = bf16(rng, (s_max, layers, 2, hkv, d))           # position-major: [pos, layer, k|v, head, dim]
+    pos = np.array([5, 0, 12], np.int32)                     # 12 >= s_max: not written
+    inv = rope.rope_inv_freq(d, 10000.0)
+    dq, dk, dv, dc = dev(q), dev(k), dev(v), dev(cache)
+    ck, cv = dc[:, 1, 0], dc[:, 1, 1]                        # layer 1's K and V: strided rows
+    rope.apply_rope_append_kv(dq, dk, dv, ck, cv, dev(pos), dev(inv), threads=32)
+    wq, wk, wck, wcv = rope.reference_append_kv(q, k, v, cache[:, 1, 0], cache[:, 1, 1], pos, inv)
+    for got, want in ((dq, wq), (dk, wk)):
+        g, w = bf16_to_f32(got.copy_to_host()), bf16_to_f32(want)
+        assert np.all(np.abs(g - w) <= 2 ** -7 * np.abs(w) + 1e-6)
+    out = dc.copy_to_host()
+    g = bf16_to_f32(out[:, 1, 0])
+    assert np.all(np.abs(g - bf16_to_f32(wck)) <= 2 ** -7 * np.abs(bf16_to_f32(wck)) + 1e-6)
+    np.testing.assert_array_equal(out[:, 1, 1], wcv)                   # v copied bit for bit
+    np.testing.assert_array_equal(out[:, 0], cache[:, 0])              # the other layer untouched
+    untouched = [p for p in range(s_max) if p not in (5, 0)]
+    np.testing.assert_array_equal(out[untouched], cache[untouched])
+    np.testing.assert_array_equal(out[5, 1, 0], dk.copy_to_host()[0])  # the cache holds the rotated k
+
+
 def test_rope_inv_freq_semantics():
     d, theta = 128, 500000.0
     base = rope.rope_inv_freq(d, theta)

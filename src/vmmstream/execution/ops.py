@@ -121,6 +121,10 @@ class HostOps:
             k[...] = ref(k, positions, inv_freq)
         self._run(s, run)
 
+    def rope_kv_append(self, s, q, k, v, ck, cv, positions, inv_freq):
+        self.rope(s, q, k, positions, inv_freq)
+        self.kv_append(s, k, v, ck, cv, positions)
+
     def kv_append(self, s, k, v, ck, cv, positions):
         def run():
             for t, p in enumerate(np.asarray(positions)):
@@ -278,8 +282,13 @@ class CudaOps:
     def gemm(self, s, x, w, out, bias=None):
         self.launches += 1
         if _is_q(w):
-            # prefill over quantized weights: the batched quantized GEMV (reads W once per 4 tokens)
-            self._qgemv(s, w, x, out, bias)
+            # prefill over quantized weights: the GEMM that dequantizes its W tiles in registers (no cache)
+            from vmmstream.kernels import qgemm
+            if w.kind == "int4":
+                qgemm.qgemm_int4(w.packed, w.scales, w.zeros, x, out, bias=bias, route=qgemm.IN_REGISTER,
+                                 stream=self._s(s))
+            else:
+                qgemm.qgemm_mxfp4(w.packed, w.scales, x, out, bias=bias, route=qgemm.IN_REGISTER, stream=self._s(s))
         else:
             self.k["gemm"].gemm(x, w, out, bias=bias, stream=self._s(s))
 
@@ -294,6 +303,10 @@ class CudaOps:
     def rope(self, s, q, k, positions, inv_freq):
         self.launches += 1
         self.k["rope"].apply_rope(q, k, positions, inv_freq, stream=self._s(s))
+
+    def rope_kv_append(self, s, q, k, v, ck, cv, positions, inv_freq):
+        self.launches += 1
+        self.k["rope"].apply_rope_append_kv(q, k, v, ck, cv, positions, inv_freq, stream=self._s(s))
 
     def kv_append(self, s, k, v, ck, cv, positions):
         if self._kv_kernel is None:

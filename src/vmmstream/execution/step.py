@@ -2,7 +2,7 @@
 
 Per layer (x: the residual stream, xn: its normed copy):
     q, k, v = xn · Wq/k/vᵀ (+ bias)         gemm (prefill) | gemv (decode; one gemv_multi launch)
-    rope(q, k) at the device positions; k, v appended to the cache at those positions
+    rope(q, k) at the device positions; k, v appended to the cache at those positions (one launch)
     attn = attention(q, cache[:len])         prefill: causal from start_pos; decode: seq_len read on device
     proj = attn · Woᵀ;  x += proj; xn = norm(x) · post_ln             (one fused rmsnorm)
     gate, up = xn · Wg/Wuᵀ;  gate = silu(gate) · up;  proj = gate · Wdᵀ    (decode: gemv_gate_up_silu)
@@ -147,8 +147,7 @@ class Step:
                 for wn, bn, out in qkv:
                     names = [wn] + ([bn] if bn else [])
                     self._use(names, lambda wn=wn, bn=bn, out=out: mm(out, W(wn), a.xn, W(bn) if bn else None))
-            o.rope(S, a.q3, a.k3, pos, a.inv_freq)
-            o.kv_append(S, a.k3, a.v3, self.kv.k(layer), self.kv.v(layer), pos)
+            o.rope_kv_append(S, a.q3, a.k3, a.v3, self.kv.k(layer), self.kv.v(layer), pos, a.inv_freq)
             if decode:
                 o.attn_decode(S, a.q3, self.kv.k4(layer), self.kv.v4(layer), a.lens, a.attn3, self.ws_session)
             else:
