@@ -170,18 +170,46 @@ def test_rmsnorm(stream, rng, fused):
     assert np.all(np.abs(got - want) <= 2 ** -7 * np.abs(want) + 1e-6)     # ≤ 1 bf16 ulp
 
 
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+
+
 def test_rope_llama3(stream, rng):
     t = 2048
     q, k = bf16(rng, (t, HQ, D)), bf16(rng, (t, HKV, D))
     pos = np.concatenate([np.arange(t - 8), rng.integers(0, 131072, 8)]).astype(np.int32)
-    inv = rope.rope_inv_freq(D, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    inv = rope.rope_inv_freq(D, 500000.0, LLAMA3)
     dq, dk = to_dev(q, stream), to_dev(k, stream)
     rope.apply_rope(dq, dk, to_dev(pos, stream), to_dev(inv, stream), stream=stream)
     for got, x in ((get(dq, stream), q), (get(dk, stream), k)):
         want = bf16_to_f32(rope.reference(x, pos, inv))
         # device sincosf vs NumPy: a few fp32 ulps of the angle's cos/sin, then one bf16 rounding
         assert np.all(np.abs(bf16_to_f32(got) - want) <= 2 ** -7 * np.abs(want) + 1e-4)
+
+
+def test_rope_append_kv_is_rope_then_append_bit_for_bit(stream, rng):
+    """The fused launch the step uses equals the RoPE kernel followed by the KV-append kernel, bit for bit,
+    at the 3B preset's decode shape (24 q / 8 kv heads, d = 128) into a layer-interleaved cache."""
+    from vmmstream.execution.kv_kernel import kv_append_kernel
+    t, hq, hkv, d, s_max, layers = 1, 24, 8, 128, 64, 3
+    q, k, v = (bf16(rng, (t, h, d)) for h in (hq, hkv, hkv))
+    cache = np.zeros((s_max, layers, 2, hkv, d), np.uint16)
+    pos = np.array([37], np.int32)
+    inv = rope.rope_inv_freq(d, 500000.0, LLAMA3)
+    outs = []
+    for fused in (False, True):
+        dq, dk, dv, dc, dp, di = (to_dev(a, stream) for a in (q, k, v, cache, pos, inv))
+        ck, cv = dc[:, 1, 0], dc[:, 1, 1]
+        if fused:
+            rope.apply_rope_append_kv(dq, dk, dv, ck, cv, dp, di, stream=stream)
+        else:
+            rope.apply_rope(dq, dk, dp, di, stream=stream)
+            n = t * hkv * d
+            kv_append_kernel[(n + 255) // 256, 256, stream](dk, dv, ck, cv, dp, hkv, d, n)
+        outs.append([get(a, stream) for a in (dq, dk, dc)])
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
+    assert outs[1][2][37, 1, 1].any() and not outs[1][2][36].any()
 
 
 def test_silu_mul_fused_and_residual_add(stream, rng):

@@ -43,22 +43,23 @@ def _hf(arch, seed, out):
     return build_reference(arch, seed, out, COMMON, PROMPT, NEW)
 
 
-def _budgets(path, gran, mc=MC):
+def _budgets(path, gran, mc=MC, quantize=None):
     from vmmstream.api import workspace_peaks
     from vmmstream.model import open_checkpoint
     from vmmstream.planning import make_plan
     ck = open_checkpoint(path)
     ws = workspace_peaks(ck.config, mc, mc)
-    full = make_plan(ck.config, ck.tensors, 1 << 40, granularity=gran, max_context=mc, workspace=ws)
+    full = make_plan(ck.config, ck.tensors, 1 << 40, granularity=gran, max_context=mc, workspace=ws,
+                     quantize=quantize)
     with pytest.raises(CapacityError) as e:
-        make_plan(ck.config, ck.tensors, 1, granularity=gran, max_context=mc, workspace=ws)
+        make_plan(ck.config, ck.tensors, 1, granularity=gran, max_context=mc, workspace=ws, quantize=quantize)
     return full.floor + full.weight_bytes, full.floor + full.weight_bytes // 2, e.value.requested
 
 
-def _run(driver, path, budget, new=NEW, **kw):
+def _run(driver, path, budget, new=NEW, quantize=None, **kw):
     mem = memory(driver, budget)
     try:
-        with vmmstream.load_model(path, memory=mem, max_context=MC) as m:
+        with vmmstream.load_model(path, memory=mem, max_context=MC, quantize=quantize) as m:
             out = m.generate(PROMPT, new, return_logits=True, **kw)
             return out, m.plan, m.stats()
     finally:
@@ -84,6 +85,27 @@ def test_oracle_on_cuda_resident_and_streamed(driver, tmp_path, arch, seed):
         if k < NEW:
             top2 = np.sort(hf_logits[k])[-2:]
             pytest.fail(f"{arch}/{strategy}: tokens differ at {k}; reference margin {top2[1] - top2[0]:.4f}, "
+                        f"our error there {err[k].max():.4f}")
+
+
+@pytest.mark.parametrize("kind", ["int4", "mxfp4"])
+def test_quantized_oracle_on_cuda_resident_and_streamed(driver, tmp_path, kind):
+    """quantize= on CUDA (qgemv decode, qgemm prefill) against transformers on the dequantized weights
+    (tests/unit/test_quantized_load.py's recipe at head_dim 64): same logits bound, same tokens."""
+    from hf_oracle import build_reference
+    hf_tokens, hf_logits = build_reference("llama", 0, tmp_path, COMMON, PROMPT, NEW, quantize=kind)
+    fits, half, _ = _budgets(tmp_path, driver.granularity(), quantize=kind)
+    for budget, strategy in ((fits, "resident"), (half, "streamed")):
+        (tokens, logits), plan, stats = _run(driver, tmp_path, budget, quantize=kind)
+        assert plan.strategy == strategy and plan.quantization == kind
+        assert stats["quantization"]["tensors"] == 7 * COMMON["num_hidden_layers"]
+        k = next((i for i, (a, b) in enumerate(zip(tokens, hf_tokens)) if a != b), NEW)
+        tol = ATOL_FRAC * np.abs(hf_logits).max(axis=1, keepdims=True)
+        err = np.abs(logits - hf_logits)[:k + 1]
+        assert np.all(err <= tol[:k + 1]), f"{kind}/{strategy}: logit error {err.max():.4f}"
+        if k < NEW:
+            top2 = np.sort(hf_logits[k])[-2:]
+            pytest.fail(f"{kind}/{strategy}: tokens differ at {k}; reference margin {top2[1] - top2[0]:.4f}, "
                         f"our error there {err[k].max():.4f}")
 
 

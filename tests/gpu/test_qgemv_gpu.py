@@ -107,3 +107,25 @@ def test_qgemv_int4_quantization_error_is_small_vs_dense(stream, rng):
     dense = bf16_to_f32(x).astype(np.float64) @ w.astype(np.float64).T
     got = bf16_to_f32(get(out, stream)).astype(np.float64)
     assert np.sqrt(np.mean((got - dense) ** 2)) / np.sqrt(np.mean(dense ** 2)) < 0.15
+
+
+# ------------------------------------------------------------------------------------- prefill GEMM
+
+@pytest.mark.parametrize("kind", ["int4", "mxfp4"])
+@pytest.mark.parametrize("route", ["in_register", "dense_cache"])
+def test_qgemm_routes_at_llama_shapes(stream, rng, kind, route):
+    """qgemm, both routes, M = 77 prompt rows x [4096 -> 14336] with bias, against x · dequantized(W)ᵀ."""
+    from vmmstream.kernels import qgemm
+    m, n, k = 77, I, H
+    w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
+    x = f32_to_bf16(rng.standard_normal((m, k)).astype(np.float32))
+    bias = f32_to_bf16((rng.standard_normal(n) * 0.1).astype(np.float32))
+    qw = quantize_int4(w) if kind == "int4" else quantize_mxfp4(w)
+    wf = qgemm.dequantized(qw, kind, route=route)
+    req = qgemm.workspace_requirement(m, n, k, kind, route=route)
+    ws = to_dev(np.zeros(req.bytes, np.uint8), stream) if req.bytes else None
+    out = to_dev(np.zeros((m, n), np.uint16), stream)
+    args = [to_dev(a, stream) for a in qw] + [to_dev(x, stream), out]
+    launch = qgemm.qgemm_int4 if kind == "int4" else qgemm.qgemm_mxfp4
+    launch(*args, bias=to_dev(bias, stream), route=route, workspace=ws, stream=stream)
+    assert_close(get(out, stream), wf, x, bias)
