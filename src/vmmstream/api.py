@@ -169,6 +169,11 @@ class Model:
         self._eager(lambda: self.step.decode(None, timed=True))
         d.stream_synchronize(self.S)
         self._graph(None)
+        ex = self.weights.experts
+        if ex is not None:          # the warm-up step's routing (token 0 at position 0) is not the user's
+            ex.counts[...] = 0
+            for k in ex.counters:
+                ex.counters[k] = 0
 
     # -------------------------------------------------------------------------------- small helpers
     def _host(self, name, dtype, count):
@@ -283,7 +288,31 @@ class Model:
             if return_logits:
                 logits = logits[:len(out)]
         result = self.tokenizer.decode(out) if text else out
+        if self.rebalance_experts_auto:
+            self.rebalance_experts()
         return (result, np.stack(logits)) if return_logits else result
+
+    # Routing drifts: after a generate call, the resident experts are re-chosen by routing counts when that
+    # raises the share of routings that hit the device by at least REBALANCE_GAIN (and enough were seen).
+    REBALANCE_GAIN = 0.05
+    REBALANCE_MIN_ROUTINGS = 64
+    rebalance_experts_auto = True
+
+    def rebalance_experts(self, *, force: bool = False) -> int:
+        """Re-choose the resident experts from the routing counts so far (prefill and decode); returns the
+        number of experts moved. Outside any graph: the units are copied and the location table rewritten,
+        and the captured decode graph reads the table when it runs, so nothing is recaptured."""
+        ex = self.weights.experts if self.weights is not None else None
+        if ex is None or not ex.on_demand or not ex.pool:
+            return 0
+        best = ex.best_resident()
+        if set(best) == set(ex.owner):
+            return 0
+        gain = ex.hit_fraction(best) - ex.hit_fraction(ex.owner)
+        if not force and (gain < self.REBALANCE_GAIN or int(ex.counts.sum()) < self.REBALANCE_MIN_ROUTINGS):
+            return 0
+        self.driver.stream_synchronize(self.S)
+        return ex.rebalance(best, self.C)
 
     def _timing_events(self):
         if not hasattr(self, "_tev"):
@@ -372,6 +401,21 @@ class Model:
             "held": snap["by_holder"].get(self.holder, 0),
             "quantization": self.quantization,
         }
+        ex = self.weights.experts if self.weights is not None else None
+        if ex is not None:
+            k, dec = ex.counters, c["decode_tokens"]
+            out.update({
+                "expert_hits": k["decode_hits"] + k["prefill_hits"],
+                "expert_misses": k["decode_misses"] + k["prefill_misses"],
+                "expert_hit_rate": ((k["decode_hits"] + k["prefill_hits"])
+                                    / max(1, sum(k[x] for x in ("decode_hits", "prefill_hits", "decode_misses",
+                                                                "prefill_misses")))),
+                "experts_resident": len(ex.pool), "expert_slots": len(ex.slots),
+                "experts_streamed_per_token": k["decode_misses"] / dec if dec else 0.0,
+                "expert_bytes_per_token": k["decode_bytes"] / dec if dec else 0.0,
+                "expert_bytes_gathered": k["decode_bytes"] + k["prefill_bytes"],
+                "expert_rebalances": k["rebalances"], "expert_units_moved": k["units_moved"],
+            })
         return out
 
     @property

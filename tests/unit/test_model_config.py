@@ -101,10 +101,12 @@ def test_llama_3b_preset_matches_gpu_md():
 
 def test_unsupported_architecture_names_it_and_the_supported_ones():
     with pytest.raises(UnsupportedModelError) as e:
-        ModelConfig.from_dict({**LLAMA, "architectures": ["MixtralForCausalLM"]})
+        ModelConfig.from_dict({**LLAMA, "architectures": ["DeepseekV3ForCausalLM"]})
     msg = str(e.value)
-    assert "MixtralForCausalLM" in msg and "LlamaForCausalLM" in msg and "Qwen2ForCausalLM" in msg
+    assert "DeepseekV3ForCausalLM" in msg and "LlamaForCausalLM" in msg and "MixtralForCausalLM" in msg
     assert isinstance(e.value, ValueError) and isinstance(e.value, VmmstreamError)
+    with pytest.raises(UnsupportedModelError, match="num_experts=None"):     # Mixtral without its expert count
+        ModelConfig.from_dict({**LLAMA, "architectures": ["MixtralForCausalLM"]})
 
 
 def test_architecture_from_model_type_when_architectures_is_missing():

@@ -48,10 +48,11 @@ def _full_plan(path):
     return ck, make_plan(ck.config, ck.tensors, 1 << 40, granularity=G, max_context=MC, workspace=ws)
 
 
-def _run(path, budget):
+def _run(path, budget, rebalance=False):
     mem = DeviceMemory(HostDriver(granularity=G, total_bytes=1 << 30), budget)
     try:
         with vmmstream.load_model(path, memory=mem, max_context=MC) as model:
+            model.rebalance_experts_auto = rebalance
             tokens, logits = model.generate(PROMPT, NEW, return_logits=True)
             return model.plan, model.stats(), tokens, logits
     finally:
@@ -59,18 +60,36 @@ def _run(path, budget):
         mem.driver.close()
 
 
-@pytest.mark.parametrize("where", ["resident", "streamed"])
+def _budget(full, where):
+    """resident: everything; experts: the dense part and half the experts resident, the rest on demand;
+    dense: the expert slots and half the dense part (the dense part streams too, no expert resident)."""
+    ep = full.experts
+    dense = full.weight_bytes - ep.total * ep.unit_bytes
+    if where == "resident":
+        return full.floor + full.weight_bytes
+    if where == "experts":
+        return full.floor + dense + (ep.top_k + ep.total // 2) * ep.unit_bytes
+    return full.floor + ep.top_k * ep.unit_bytes + dense // 2
+
+
+@pytest.mark.parametrize("where", ["resident", "experts", "dense"])
 def test_moe_greedy_tokens_and_logits_match_transformers(reference, where):
     arch, path, hf_tokens, hf_logits = reference
     ck, full = _full_plan(path)
     assert ck.config.is_moe and ck.config.num_experts == 6
-    budget = full.floor + full.weight_bytes if where == "resident" else full.floor + full.weight_bytes // 2
-    plan, stats, tokens, logits = _run(path, budget)
-    assert plan.strategy == where
-    if where == "streamed":
-        experts = [n for n in plan.streamed if ".experts." in n]
-        assert experts, "the streamed plan should stream some experts"
+    plan, stats, tokens, logits = _run(path, _budget(full, where))
+    assert plan.strategy == ("resident" if where == "resident" else "streamed")
+    ep = plan.experts
+    if where == "resident":
+        assert ep.slots == 0 and len(ep.resident) == ep.total and stats["expert_misses"] == 0
+    else:
+        assert ep.slots == 2
+        assert len(ep.resident) == (ep.total // 2 if where == "experts" else 0)
         assert stats["measured_streamed_bytes_per_step"] == plan.streamed_bytes_per_token
+        assert (plan.streamed_bytes_per_token > 0) == (where == "dense")
+        assert stats["expert_misses"] > 0 and (stats["expert_hits"] > 0) == (where == "experts")
+        assert stats["expert_bytes_per_token"] == stats["experts_streamed_per_token"] * ep.unit_payload
+        assert 0 < stats["experts_streamed_per_token"] <= ep.top_k * ep.layers
     k = next((i for i, (a, b) in enumerate(zip(tokens, hf_tokens)) if a != b), NEW)
     tol = ATOL_FRAC * np.abs(hf_logits).max(axis=1, keepdims=True)
     err = np.abs(logits - hf_logits)[:k + 1]
@@ -107,3 +126,62 @@ def test_moe_config_parsing_and_refusals(tmp_path):
     assert c.num_experts == 8 and c.moe_intermediate_size == 64 and c.norm_topk_prob
     assert c.expert_names(0, 7) == tuple(f"model.layers.0.block_sparse_moe.experts.7.{w}.weight"
                                          for w in ("w1", "w3", "w2"))
+
+
+def test_experts_rebalance_to_the_routed_ones_without_recapture(reference):
+    """Routing counts drive the resident set: after a generate call the hot experts move in (copied over
+    cold ones, the location table rewritten, the decode graph kept), the hit rate of the next call rises
+    to the best the pool allows, and the tokens do not change."""
+    arch, path, hf_tokens, _ = reference
+    _, full = _full_plan(path)
+    mem = DeviceMemory(HostDriver(granularity=G, total_bytes=1 << 30), _budget(full, "experts"))
+    try:
+        with vmmstream.load_model(path, memory=mem, max_context=MC) as model:
+            ex = model.weights.experts
+            model.rebalance_experts_auto = False
+            first = model.generate(PROMPT, NEW)
+            s1 = model.stats()
+            before = set(ex.owner)
+            best = ex.best_resident()
+            moved = model.rebalance_experts(force=True)
+            assert moved == len(set(best) - before) > 0
+            assert set(ex.owner) == set(best) and all(ex.loc[u] >= 0 for u in best)
+            assert sum(1 for v in ex.loc.reshape(-1) if v >= 0) == len(ex.pool)
+            k0 = dict(ex.counters)
+            second = model.generate(PROMPT, NEW)
+            s2 = model.stats()
+            assert first == second == hf_tokens
+            assert s2["graph_captures"] == s1["graph_captures"] == 1       # replayed, not recaptured
+            hits = ex.counters["decode_hits"] - k0["decode_hits"]
+            misses = ex.counters["decode_misses"] - k0["decode_misses"]
+            first_hits = k0["decode_hits"]
+            assert hits > first_hits and hits + misses == k0["decode_hits"] + k0["decode_misses"]
+    finally:
+        mem.close()
+        mem.driver.close()
+
+
+def test_expert_plan_accounting():
+    from vmmstream.errors import CapacityError
+    from vmmstream.model import PRESETS, synthetic_tensors
+    from vmmstream.planning import make_plan
+    cfg = PRESETS["mixtral-4l"].config
+    tensors = synthetic_tensors(cfg)
+    gib = 1 << 30
+    p = make_plan(cfg, tensors, 6 * gib, h2d_gbps=50.0)
+    ep = p.experts
+    assert p.strategy == "streamed" and ep.slots == 2 and 0 < len(ep.resident) < ep.total == 32
+    assert ep.unit_payload == 3 * 2 * 4096 * 14336 and ep.unit_bytes == ep.unit_payload   # whole 2 MiB granules
+    assert p.device_bytes <= p.budget and sum(p.leases().values()) == p.device_bytes
+    assert p.leases()["weight_slots"] == 2 * ep.unit_bytes
+    # uniform routing: each layer misses k * (1 - resident share) experts per token
+    assert ep.expected_bytes_per_token == pytest.approx(4 * 2 * (1 - len(ep.resident) / 32) * ep.unit_payload)
+    assert p.tokens_per_s_bound == pytest.approx(50e9 / ep.expected_bytes_per_token)
+    layers = [sum(1 for (i, _) in ep.resident if i == layer) for layer in range(4)]
+    assert max(layers) - min(layers) <= 1                                  # spread over the layers
+    full = make_plan(cfg, tensors, 64 * gib)
+    assert full.strategy == "resident" and len(full.experts.resident) == 32 and full.experts.slots == 0
+    with pytest.raises(CapacityError, match="expert gather slots 2"):
+        make_plan(cfg, tensors, 512 << 20)
+    q = make_plan(cfg, tensors, 6 * gib, quantize="int4")
+    assert q.experts.unit_payload < ep.unit_payload / 3 and len(q.experts.resident) > len(ep.resident)

@@ -147,8 +147,9 @@ class HostOps:
 
     # -- mixture of experts (host references; the tokens routed to an expert are read from the device
     #    buffers when the op runs, so one recorded graph serves every routing) --
-    def moe_route(self, s, logits, topk_ids, topk_w, norm: bool):
-        """softmax over the experts (fp64), top-k (ties: the lower expert id), optionally renormalised."""
+    def moe_route(self, s, logits, topk_ids, topk_w, norm: bool, counts=None):
+        """softmax over the experts (fp64), top-k (ties: the lower expert id), optionally renormalised;
+        ``counts[e]`` += tokens routed to e."""
         def run():
             lg = np.asarray(logits, np.float64)
             p = np.exp(lg - lg.max(axis=1, keepdims=True))
@@ -160,36 +161,48 @@ class HostOps:
                 w = w / w.sum(axis=1, keepdims=True)
             topk_ids[...] = ids.astype(np.int32)
             topk_w[...] = w.astype(np.float32)
+            if counts is not None:
+                np.add(counts, np.bincount(ids.reshape(-1), minlength=counts.shape[0])[:counts.shape[0]], out=counts)
+        self._run(s, run)
+
+    def moe_experts(self, s, ex, layer, x, topk_ids, topk_w, h, acc, decode: bool):
+        """acc[t] += Σ_k weight · expert(x[t]) over the routed experts of ``layer``: resident units are read
+        in place; the others are copied from their pinned host copies into the gather slots, as many at a
+        time as there are slots, before their math. Counts hits, misses and bytes gathered."""
+        gemv, silu_mul = self.k["gemv"], self.k["elementwise"].reference_silu_mul
+        which = "decode" if decode else "prefill"
+
+        def expert(views, e, ids, wts):
+            hit = ids == e
+            rows = np.nonzero(hit.any(axis=1))[0]
+            wg, wu, wd = views
+            xr = x[rows]
+            g = self._bf16(self._mm(gemv, wg, xr))
+            u = self._bf16(self._mm(gemv, wu, xr))
+            hr = silu_mul(g, u)
+            wt = (wts * hit).sum(axis=1)[rows]
+            acc[rows] += (wt[:, None].astype(np.float64) * self._mm(gemv, wd, hr)).astype(np.float32)
+
+        def run():
+            ids, wts = np.asarray(topk_ids), np.asarray(topk_w)
+            routed = np.unique(ids)
+            loc = ex.loc[layer]
+            here = [int(e) for e in routed if loc[e] >= 0]
+            away = [int(e) for e in routed if loc[e] < 0]
+            for e in here:
+                expert(ex.pool_views[loc[e]], e, ids, wts)
+            n = len(ex.slots)
+            for i in range(0, len(away), max(n, 1)):
+                for j, e in enumerate(away[i:i + n]):
+                    ex.gather_host(j, (layer, e))
+                    expert(ex.slot_views[j], e, ids, wts)
+            ex.counters[which + "_hits"] += len(here)
+            ex.counters[which + "_misses"] += len(away)
+            ex.counters[which + "_bytes"] += len(away) * ex.ep.unit_payload
         self._run(s, run)
 
     def fill_zero(self, s, buf):
         self._run(s, lambda: self._copy(buf, 0))
-
-    def expert_gate_up(self, s, e, topk_ids, w_gate, w_up, x, out):
-        """out[t] = silu(x[t] · w_gateᵀ) * (x[t] · w_upᵀ) (gate and up rounded to bf16, as the GEMVs store
-        them) for the tokens routed to expert ``e``; other rows are left as they are."""
-        gemv, silu_mul = self.k["gemv"], self.k["elementwise"].reference_silu_mul
-
-        def run():
-            rows = np.nonzero((np.asarray(topk_ids) == e).any(axis=1))[0]
-            if rows.size:
-                xr = x[rows]
-                g = self._bf16(self._mm(gemv, w_gate, xr))
-                u = self._bf16(self._mm(gemv, w_up, xr))
-                out[rows] = silu_mul(g, u)
-        self._run(s, run)
-
-    def expert_down_acc(self, s, e, topk_ids, topk_w, w_down, h, acc):
-        """acc[t] += weight(t, e) * (h[t] · w_downᵀ) in fp32 for the tokens routed to expert ``e``."""
-        gemv = self.k["gemv"]
-
-        def run():
-            hit = np.asarray(topk_ids) == e
-            rows = np.nonzero(hit.any(axis=1))[0]
-            if rows.size:
-                wt = (np.asarray(topk_w) * hit).sum(axis=1)[rows]
-                acc[rows] += (wt[:, None].astype(np.float64) * self._mm(gemv, w_down, h[rows])).astype(np.float32)
-        self._run(s, run)
 
     def moe_finish(self, s, acc, out, shared=None, shared_gate=None):
         """out = acc (+ sigmoid(shared_gate) * shared), rounded to bf16."""

@@ -157,7 +157,7 @@ class Step:
             ln2 = p + "post_attention_layernorm.weight"
             self._use([ln2], lambda: o.rmsnorm(S, a.proj, W(ln2), a.xn, self.eps, residual=a.x))
             if c.is_moe:
-                self._moe(layer, a, mm)
+                self._moe(layer, a, mm, decode)
             else:
                 self._mlp(p, a, mm, decode)
             nxt = (f"model.layers.{layer + 1}.input_layernorm.weight" if layer + 1 < c.num_hidden_layers
@@ -178,21 +178,19 @@ class Step:
             o.silu_mul(S, a.gate, a.up, a.gate)
         self._use([wd], lambda: mm(a.proj, W(wd), a.gate))
 
-    def _moe(self, layer, a, mm) -> None:
+    def _moe(self, layer, a, mm, decode) -> None:
         """proj = Σ_k weight_k · expert_k(xn) (+ sigmoid(xn · w_sgᵀ) · shared(xn)): router logits (fp32),
-        softmax + top-k, then every expert in schedule order — its gate/up (one read), its down accumulated
-        with the routing weight in fp32 — then the shared expert and the bf16 output. Each expert op reads
-        the routing from the device, so an expert no token chose costs no math (its weights are still
-        read in schedule order when they stream)."""
+        softmax + top-k (routing counted), then the routed experts — resident ones read in place, the others
+        gathered into the expert slots first (``Experts``) — accumulated with their routing weights in fp32,
+        then the shared expert and the bf16 output. The routing is read from device memory when the ops
+        run, so one captured graph serves every routing."""
         o, S, W, c = self.ops, self.S, self.w.array, self.c
+        ex = self.w.experts
         rn = c.router_name(layer)
         self._use([rn], lambda: mm(a.router, W(rn), a.xn))
-        o.moe_route(S, a.router, a.topk_ids, a.topk_w, c.norm_topk_prob)
+        o.moe_route(S, a.router, a.topk_ids, a.topk_w, c.norm_topk_prob, counts=ex.counts[layer])
         o.fill_zero(S, a.moe_acc)
-        for e in range(c.num_experts):
-            g, u, d = c.expert_names(layer, e)
-            self._use([g, u], lambda g=g, u=u, e=e: o.expert_gate_up(S, e, a.topk_ids, W(g), W(u), a.xn, a.eg))
-            self._use([d], lambda d=d, e=e: o.expert_down_acc(S, e, a.topk_ids, a.topk_w, W(d), a.eg, a.moe_acc))
+        o.moe_experts(S, ex, layer, a.xn, a.topk_ids, a.topk_w, a.eg, a.moe_acc, decode)
         if c.shared_expert_intermediate_size:
             sg, su, sd, sgate = c.shared_expert_names(layer)
             self._use([sg], lambda: mm(a.sg, W(sg), a.xn))

@@ -32,11 +32,14 @@ def _align(n: int) -> int:
 
 
 class Tensor:
-    __slots__ = ("name", "shape", "payload", "where", "block", "host", "slot", "array", "index", "qlayout")
+    __slots__ = ("name", "shape", "payload", "where", "block", "host", "slot", "array", "index", "qlayout",
+                 "unit", "unit_off")
 
     def __init__(self, name, shape, payload, where, qlayout=None):
         self.name, self.shape, self.payload, self.where = name, tuple(shape), payload, where
         self.qlayout = qlayout   # quantization.QLayout of a quantized weight
+        self.unit = None         # routed experts: (layer, expert) of the unit holding it
+        self.unit_off = 0        # and its offset in that unit
         self.block = None    # device Block (resident or streamed)
         self.host = None     # pinned host address (streamed tensors and the embedding table)
         self.slot = None
@@ -58,6 +61,7 @@ class Weights:
         self.closed = False
         from ..quantization import ErrorReport
         self.quant = ErrorReport(plan.quantization)
+        self.experts = None
         try:
             self._build(checkpoint, progress)
         except BaseException:
@@ -77,13 +81,17 @@ class Weights:
             if kind and ql is None and is_linear(p.name):
                 self.quant.kept_bf16.append(p.name)
             self.tensors[p.name] = Tensor(p.name, shape, p.payload, p.where, ql)
-        device = [t for t in self.tensors.values() if t.where != "host"]
+        device = [t for t in self.tensors.values() if t.where not in ("host", "expert")]
+        ep = plan.experts
+        if ep is not None:
+            self.experts = Experts(self, ep)
         if not mem.legacy:
             # Streamed tensors reserve a whole slot of VA: CUDA maps a handle whole, so a tensor smaller
             # than its slot aliases the full slot and uses the front of it.
             n_streamed = sum(1 for p in plan.placements if p.where == "streamed")
             va = (sum(p.device_bytes for p in plan.placements if p.where == "resident")
-                  + (plan.slot_count + n_streamed) * plan.slot_bytes + g)
+                  + (plan.slot_count + n_streamed) * plan.slot_bytes + g
+                  + (0 if ep is None else (len(ep.resident) + ep.slots) * ep.unit_bytes))
             self.arena_name = f"weights:{self.holder}"
             mem.arena(self.arena_name, va)
         arena = self.arena_name or "weights"
@@ -99,19 +107,30 @@ class Weights:
                 t.block = mem.reserve(plan.slot_bytes, role="weight_slots", holder=self.holder, arena=arena)
                 mem.alias(t.block, self.slots[p.slot])
                 self.streamed.append(t)
-        # pinned host memory: streamed tensors, the embedding table, and a staging area for resident loads
+        if self.experts is not None:
+            self.experts.allocate(arena)
+        # pinned host memory: streamed tensors, the embedding table, every expert unit when some are gathered
+        # on demand, and a staging area for resident loads
         host = [t for t in self.tensors.values() if t.where == "streamed" or t.name == EMBED]
-        staging = max([t.payload for t in device if t.where == "resident" and t.name != EMBED] + [0])
+        staging = max([t.payload for t in device if t.where == "resident" and t.name != EMBED]
+                      + [t.payload for t in self.tensors.values() if t.where == "expert"] + [0])
         offsets, off = {}, 0
         for t in host:
             offsets[t.name] = off
             off = _align(off + t.payload)
+        units_off = off
+        if self.experts is not None and self.experts.on_demand:
+            off += self.experts.host_bytes
         stage_off = off
         self.host_bytes = off + staging
         self.host_ptr = self.driver.host_alloc(max(self.host_bytes, 1))
         for t in host:
             t.host = self.host_ptr + offsets[t.name]
+        if self.experts is not None and self.experts.on_demand:
+            self.experts.place_host(self.host_ptr + units_off)
         self._load(ck, self.host_ptr + stage_off, staging, progress)
+        if self.experts is not None:
+            self.experts.make_views()
         from ..quantization import views
         for t in device:
             t.array = (views(t.qlayout, t.block.va, self.ops.view) if t.qlayout is not None
@@ -158,6 +177,12 @@ class Weights:
             if t.where == "resident":
                 self.driver.memcpy_htod_async(t.block.va, dest(t), t.payload, self.stream)
                 self.driver.stream_synchronize(self.stream)   # the staging area is reused by the next tensor
+            elif t.where == "expert":
+                r = self.experts.loc[t.unit]
+                if r >= 0:
+                    self.driver.memcpy_htod_async(self.experts.pool[r].va + t.unit_off, dest(t), t.payload,
+                                                  self.stream)
+                    self.driver.stream_synchronize(self.stream)
         if report is not None:
             report(total, total, None, final=True)
 
@@ -187,12 +212,122 @@ class Weights:
             for t in self.tensors.values():
                 if t.where == "resident" and t.block is not None:
                     mem.free(t.block)
+            if self.experts is not None:
+                for b in self.experts.pool + self.experts.slots:
+                    mem.free(b)
+                self.experts.pool, self.experts.slots = [], []
             mem.synchronize()
             if self.arena_name and self.arena_name in mem.arenas:
                 mem.arenas.pop(self.arena_name).close()
         if self.host_ptr:
             self.driver.host_free(self.host_ptr)
             self.host_ptr = 0
+
+
+class Experts:
+    """Routed experts as units (gate | up | down, each part 256-byte aligned): ``pool`` blocks hold the
+    resident units, ``slots`` blocks receive routed non-resident ones (from their pinned host copies).
+
+    ``loc[layer, e]``: the pool index of a resident unit, -1 for one gathered on demand; the expert ops read
+    it when they run, so re-choosing the resident set (``rebalance``) copies units and rewrites ``loc``
+    without recapturing anything. Counters: routing counts per (layer, expert) and the hits, misses and
+    bytes gathered of decode and prefill."""
+
+    def __init__(self, weights, ep):
+        self.w, self.ep = weights, ep
+        self.loc = np.full((ep.layers, ep.per_layer), -1, np.int32)
+        self.owner = list(ep.resident)                 # pool index -> (layer, e)
+        for r, u in enumerate(self.owner):
+            self.loc[u] = r
+        self.counts = np.zeros((ep.layers, ep.per_layer), np.int64)
+        self.counters = dict(decode_hits=0, decode_misses=0, decode_bytes=0, prefill_hits=0, prefill_misses=0,
+                             prefill_bytes=0, rebalances=0, units_moved=0)
+        self.pool, self.slots = [], []
+        self.host = None                               # (layer, e) -> host address of the unit
+        self.parts: dict = {}                          # part index -> (offset, Tensor of layer 0 expert 0)
+        self.on_demand = ep.slots > 0
+
+    @property
+    def host_bytes(self) -> int:
+        return self.ep.total * _align(self.ep.unit_payload)
+
+    def allocate(self, arena) -> None:
+        w, ep = self.w, self.ep
+        config_names = [n for n, t in w.tensors.items() if t.where == "expert"]
+        # unit layout from the first expert's three tensors (every unit has the same shapes)
+        by_unit: dict = {}
+        for n in config_names:
+            layer, e = _expert_of(n)
+            by_unit.setdefault((layer, e), []).append(w.tensors[n])
+        for unit, ts in by_unit.items():
+            off = 0
+            for i, t in enumerate(ts):
+                t.unit, t.unit_off = unit, off
+                off += _align(t.payload)
+            if off != ep.unit_payload:
+                raise ValueError(f"expert unit {unit}: {off} bytes, the plan has {ep.unit_payload}")
+        self.units = by_unit
+        for _ in ep.resident:
+            self.pool.append(w.mem.allocate(ep.unit_payload, role="weights_resident", holder=w.holder, arena=arena))
+        for _ in range(ep.slots):
+            self.slots.append(w.mem.allocate(ep.unit_payload, role="weight_slots", holder=w.holder, arena=arena))
+
+    def place_host(self, base: int) -> None:
+        self.host = {}
+        for i, unit in enumerate(sorted(self.units)):
+            self.host[unit] = base + i * _align(self.ep.unit_payload)
+            for t in self.units[unit]:
+                t.host = self.host[unit] + t.unit_off
+
+    def _views_at(self, va: int, unit):
+        from ..quantization import views
+        out = []
+        for t in self.units[unit]:
+            a = va + t.unit_off
+            out.append(views(t.qlayout, a, self.w.ops.view) if t.qlayout is not None
+                       else self.w.ops.view(a, t.shape, np.uint16))
+        return tuple(out)
+
+    def make_views(self) -> None:
+        first = sorted(self.units)[0]          # shapes are the same for every unit
+        self.pool_views = [self._views_at(b.va, first) for b in self.pool]
+        self.slot_views = [self._views_at(b.va, first) for b in self.slots]
+
+    def gather_host(self, j: int, unit) -> None:
+        """Copy unit ``unit`` from its pinned host copy into gather slot ``j``: the host backend's twin of the
+        device-side gather, called from inside the expert op as it runs (device memory is process memory)."""
+        ctypes.memmove(self.slots[j].va, self.host[unit], self.ep.unit_payload)
+
+    def best_resident(self) -> list:
+        """The units the routing counts favour, as many as the pool holds (ties keep the current ones)."""
+        units = [(layer, e) for layer in range(self.ep.layers) for e in range(self.ep.per_layer)]
+        units.sort(key=lambda u: (-int(self.counts[u]), self.loc[u] < 0, u))
+        return units[:len(self.pool)]
+
+    def hit_fraction(self, resident) -> float:
+        tot = int(self.counts.sum())
+        return sum(int(self.counts[u]) for u in resident) / tot if tot else 0.0
+
+    def rebalance(self, resident, stream) -> int:
+        """Make ``resident`` the resident set: copy each newcomer over an evicted unit's pool block."""
+        want = set(resident)
+        evict = [r for r, u in enumerate(self.owner) if u not in want]
+        come = [u for u in resident if self.loc[u] < 0]
+        for r, u in zip(evict, come):
+            old = self.owner[r]
+            self.w.driver.memcpy_htod_async(self.pool[r].va, self.host[u], self.ep.unit_payload, stream)
+            self.w.driver.stream_synchronize(stream)
+            self.loc[old] = -1
+            self.loc[u] = r
+            self.owner[r] = u
+        self.counters["rebalances"] += 1
+        self.counters["units_moved"] += len(come)
+        return len(come)
+
+
+def _expert_of(name: str) -> tuple[int, int]:
+    parts = name.split(".")
+    return int(parts[2]), int(parts[parts.index("experts") + 1])
 
 
 def _progress_printer(total: int, progress):

@@ -23,6 +23,7 @@ from .residency import split
 
 SOURCES = ("explicit", "env", "inferred")
 RESIDENT, STREAMED, LEGACY = "resident", "streamed", "legacy"
+EXPERT = "expert"      # a routed expert's weight: placed with its unit (ExpertPlan), not in the schedule
 DEFAULT_MAX_CONTEXT = 4096       # when none is given: min(this, the model's max_position_embeddings)
 HOST = "host"
 
@@ -35,6 +36,55 @@ class Placement:
     payload: int            # bytes of the tensor on the device (bf16)
     slot: int | None = None     # streamed: the slot whose pages back it
     order: int | None = None    # position in the decode schedule (None for host tensors)
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    """Routed experts of a mixture of experts, placed as units (one expert's gate, up and down weights).
+
+    ``resident`` units live on the device for the whole session; the others stay in pinned host memory
+    and are gathered into one of ``slots`` unit-sized slots when a token is routed to them (only routed
+    experts move). All experts of all layers have one unit size. The initial resident set spreads over
+    the layers (lowest expert ids first); ``Model.rebalance_experts`` re-chooses it by routing counts."""
+    layers: int
+    per_layer: int                 # experts per layer
+    top_k: int
+    unit_payload: int              # bytes of one expert's three weights (each part 256-byte aligned)
+    unit_bytes: int                # its device bytes (granule-rounded)
+    resident: tuple                # ((layer, expert), ...)
+    slots: int                     # gather slots (0 when every expert is resident)
+
+    @property
+    def total(self) -> int:
+        return self.layers * self.per_layer
+
+    @property
+    def resident_bytes(self) -> int:
+        return len(self.resident) * self.unit_bytes
+
+    @property
+    def slot_bytes_total(self) -> int:
+        return self.slots * self.unit_bytes
+
+    @property
+    def expected_bytes_per_token(self) -> float:
+        """Expert bytes gathered per decode token if routing is uniform: k routed per layer, each missing
+        the device with the non-resident fraction."""
+        miss = 1.0 - len(self.resident) / self.total
+        return self.layers * self.top_k * miss * self.unit_payload
+
+    @property
+    def worst_bytes_per_token(self) -> int:
+        per_layer_missing = [self.per_layer - sum(1 for (layer, _) in self.resident if layer == i)
+                             for i in range(self.layers)]
+        return sum(min(self.top_k, m) for m in per_layer_missing) * self.unit_payload
+
+    def to_dict(self) -> dict:
+        return {"layers": self.layers, "per_layer": self.per_layer, "top_k": self.top_k,
+                "unit_payload": self.unit_payload, "unit_bytes": self.unit_bytes,
+                "resident": [list(u) for u in self.resident], "slots": self.slots,
+                "expected_bytes_per_token": self.expected_bytes_per_token,
+                "worst_bytes_per_token": self.worst_bytes_per_token}
 
 
 @dataclass(frozen=True)
@@ -64,15 +114,24 @@ class Plan:
     exact: bool = True              # the residency choice is proven optimal (False: greedy fallback)
     notes: tuple = ()
     quantization: str | None = None  # "int4" / "mxfp4": the layers' linear weights are stored quantized
+    experts: "ExpertPlan | None" = field(default=None, hash=False)   # mixtures of experts: see ExpertPlan
 
     @property
     def device_bytes(self) -> int:
         """Everything the plan commits on the device; never more than the budget."""
         return self.resident_bytes + self.floor
 
+    @property
+    def expert_bytes_per_token(self) -> float:
+        """Expected routed-expert bytes gathered per decode token (uniform routing); 0 without experts."""
+        return self.experts.expected_bytes_per_token if self.experts else 0.0
+
     def leases(self) -> dict:
-        """Bytes per authority role (``vmmstream.memory.authority.ROLES``): what ``load_model`` grants."""
-        return {"weights_resident": self.resident_bytes, "weight_slots": self.slot_count * self.slot_bytes,
+        """Bytes per authority role (``vmmstream.memory.authority.ROLES``): what ``load_model`` grants.
+        Resident experts count as resident weights, gather slots as weight slots."""
+        ex_res = self.experts.resident_bytes if self.experts else 0
+        ex_slots = self.experts.slot_bytes_total if self.experts else 0
+        return {"weights_resident": self.resident_bytes, "weight_slots": self.slot_count * self.slot_bytes + ex_slots,
                 "kv_cache": self.kv_bytes, "workspace_step": self.workspace["step"],
                 "workspace_session": self.workspace["session"], "activations": self.activations}
 
@@ -100,6 +159,7 @@ class Plan:
             "architecture", "weight_bytes", "resident_bytes", "streamed_bytes_per_token", "host_bytes",
             "slot_count", "slot_bytes", "kv_bytes", "activations", "floor", "h2d_gbps", "tokens_per_s_bound",
             "exact", "quantization")}
+        d["experts"] = self.experts.to_dict() if self.experts else None
         d.update(workspace=dict(self.workspace), device_bytes=self.device_bytes, leases=self.leases(),
                  sources=dict(self.sources), notes=list(self.notes),
                  placements=[{"name": p.name, "where": p.where, "device_bytes": p.device_bytes,
@@ -171,9 +231,33 @@ def make_plan(config, tensors, budget_bytes: int, *, budget_source="explicit", m
     if missing:
         raise ValueError(f"tensors lack {len(missing)} the {config.architecture} decode step reads: "
                          f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    expert_names = []
+    if getattr(config, "is_moe", False):
+        expert_names = [n for i in range(config.num_hidden_layers) for e in range(config.num_experts)
+                        for n in config.expert_names(i, e)]
+        lack = [n for n in expert_names if n not in infos]
+        if lack:
+            raise ValueError(f"tensors lack {len(lack)} expert weights, e.g. {lack[0]}")
+        gone = set(expert_names)
+        schedule = [n for n in schedule if n not in gone]
     payload = [q_payload(n, infos[n].shape, quantize) for n in schedule]
     dev = [fl.round_up(p, gran) for p in payload]
     weight_bytes = sum(dev)
+    unit_payload = unit_dev = n_units = 0
+    if expert_names:
+        unit_payload = sum(-(-q_payload(n, infos[n].shape, quantize) // 256) * 256
+                           for n in config.expert_names(0, 0))
+        unit_dev = fl.round_up(unit_payload, gran)
+        n_units = config.num_hidden_layers * config.num_experts
+        weight_bytes += n_units * unit_dev
+
+    def expert_plan(n_resident: int, slots: int):
+        if not expert_names:
+            return None
+        order = sorted(((i, e) for i in range(config.num_hidden_layers) for e in range(config.num_experts)),
+                       key=lambda u: (u[1], u[0]))          # spread over the layers, lowest ids first
+        return ExpertPlan(config.num_hidden_layers, config.num_experts, config.num_experts_per_tok, unit_payload,
+                          unit_dev, tuple(sorted(order[:max(0, min(n_resident, n_units))])), slots)
 
     # -- the floor --
     ws_raw = fl.estimate_workspace(config, max_context, batch, prefill_chunk) if workspace is None else workspace
@@ -199,6 +283,9 @@ def make_plan(config, tensors, budget_bytes: int, *, budget_source="explicit", m
                   sources=src)
     host_payload = sum(_payload(infos[n]) for n in host)
     host_places = tuple(Placement(n, HOST, 0, _payload(infos[n])) for n in host)
+    expert_places = tuple(Placement(n, EXPERT, 0, q_payload(n, infos[n].shape, quantize)) for n in expert_names)
+    host_places = expert_places + host_places
+    dense_bytes = weight_bytes - n_units * unit_dev
 
     if legacy or weight_bytes + base <= budget_bytes:
         if weight_bytes + base > budget_bytes:
@@ -212,8 +299,30 @@ def make_plan(config, tensors, budget_bytes: int, *, budget_source="explicit", m
                        for i, (n, d, p) in enumerate(zip(schedule, dev, payload))) + host_places
         notes += ("nothing streams: decode is bound by HBM bandwidth, not by host-to-device copies",)
         return Plan(strategy=LEGACY if legacy else RESIDENT, placements=places, resident_bytes=weight_bytes,
-                    streamed_bytes_per_token=0, host_bytes=host_payload, slot_count=0, slot_bytes=0, floor=base,
-                    tokens_per_s_bound=None, notes=notes, **common)
+                    streamed_bytes_per_token=0, host_bytes=host_payload, slot_count=0,
+                    slot_bytes=0, floor=base, tokens_per_s_bound=None, notes=notes,
+                    experts=expert_plan(n_units, 0), **common)
+
+    if expert_names:
+        # Experts go on demand: k gather slots join the floor. Dense weights are read every token, a
+        # non-resident expert only when routed (k of E per layer), so dense residency saves more bytes per
+        # byte of budget: the dense part is planned first, the experts fill what is left.
+        ex_floor = config.num_experts_per_tok * unit_dev
+        base += ex_floor
+        parts["experts"] = (config.num_experts_per_tok, unit_dev)
+        if dense_bytes + base <= budget_bytes:
+            n_res = (budget_bytes - base - dense_bytes) // unit_dev
+            places = tuple(Placement(n, RESIDENT, d, p, None, i)
+                           for i, (n, d, p) in enumerate(zip(schedule, dev, payload))) + host_places
+            ep = expert_plan(n_res, config.num_experts_per_tok)
+            exp_b = ep.expected_bytes_per_token
+            notes += (f"{len(ep.resident)} of {n_units} experts resident; the rest are gathered into "
+                      f"{ep.slots} slots when routed (uniform routing: {_fmt(int(exp_b))} per token)",)
+            return Plan(strategy=STREAMED, placements=places, resident_bytes=dense_bytes + ep.resident_bytes,
+                        streamed_bytes_per_token=0, host_bytes=host_payload + n_units * unit_payload, slot_count=0,
+                        slot_bytes=0, floor=base, tokens_per_s_bound=(None if h2d_gbps is None or not exp_b
+                                                                      else h2d_gbps * 1e9 / exp_b),
+                        notes=notes, experts=ep, **common)
 
     sp = split(dev, payload, budget_bytes - base, slots, gran) if base <= budget_bytes else None
     if sp is None:
@@ -237,12 +346,16 @@ def make_plan(config, tensors, budget_bytes: int, *, budget_source="explicit", m
             rr += 1
     if not sp.exact:
         notes += ("the resident set was chosen greedily (largest first): the exact search was too large",)
-    bound = None if h2d_gbps is None else h2d_gbps * 1e9 / sp.streamed_payload
+    ep = expert_plan(0, config.num_experts_per_tok) if expert_names else None
+    if ep is not None:
+        notes += (f"no expert resident: the dense weights take the budget; {ep.slots} gather slots",)
+    per_token = sp.streamed_payload + (ep.expected_bytes_per_token if ep else 0)
+    bound = None if h2d_gbps is None else h2d_gbps * 1e9 / per_token
     return Plan(strategy=STREAMED, placements=tuple(places) + host_places,
                 resident_bytes=sum(dev[i] for i in sp.resident), streamed_bytes_per_token=sp.streamed_payload,
-                host_bytes=host_payload + sp.streamed_payload, slot_count=slots, slot_bytes=sp.slot_bytes,
-                floor=base + slots * sp.slot_bytes, tokens_per_s_bound=bound, exact=sp.exact, notes=notes,
-                **common)
+                host_bytes=host_payload + sp.streamed_payload + n_units * unit_payload, slot_count=slots,
+                slot_bytes=sp.slot_bytes, floor=base + slots * sp.slot_bytes, tokens_per_s_bound=bound, exact=sp.exact,
+                notes=notes, experts=ep, **common)
 
 
 def _floor_text(parts, slots: int, slot: int) -> str:
@@ -252,6 +365,9 @@ def _floor_text(parts, slots: int, slot: int) -> str:
             f"activations {_fmt(parts['act'])}")
     if slots:
         text += f", weight slots {slots} x {_fmt(slot)} (the largest streamed tensor)"
+    if "experts" in parts:
+        k, unit = parts["experts"]
+        text += f", expert gather slots {k} x {_fmt(unit)} (one routed expert each)"
     return text
 
 
