@@ -76,17 +76,24 @@ def ceilings(driver):
 
 
 def _weight_bytes_per_token(plan) -> int:
-    return sum(p.payload for p in plan.placements if p.where != "host")
+    """Weight bytes a decode token reads: every dense tensor, and k routed experts per layer."""
+    dense = sum(p.payload for p in plan.placements if p.where not in ("host", "expert"))
+    ep = plan.experts
+    return dense + (ep.layers * ep.top_k * ep.unit_payload if ep else 0)
 
 
-@pytest.mark.parametrize("config", ["resident", "2GiB", "4GiB", "legacy"])
+@pytest.mark.parametrize("config", ["resident", "2GiB", "4GiB", "legacy", "int4-resident", "int4-1GiB",
+                                    "mxfp4-resident", "mxfp4-1GiB"])
 def test_bench_decode_vmmstream(benchmark, driver, ckpt, ceilings, config):
     from vmmstream.memory import DeviceMemory
-    budget = 24 * GiB if config in ("resident", "legacy") else int(config[:-3]) * GiB
+    quantize, _, size = config.rpartition("-") if config.startswith(("int4", "mxfp4")) else (None, "", config)
+    quantize = quantize or None
+    budget = 24 * GiB if size in ("resident", "legacy") else int(size[:-3]) * GiB
     mem = DeviceMemory(driver, budget, legacy=config == "legacy")
     t0 = time.perf_counter()
     try:
-        with vmmstream.load_model(ckpt, memory=mem, max_context=MAX_CONTEXT, progress=False) as m:
+        with vmmstream.load_model(ckpt, memory=mem, max_context=MAX_CONTEXT, progress=False,
+                                  quantize=quantize) as m:
             load_s = time.perf_counter() - t0
             m.generate(PROMPT, 4)                         # KV committed, every graph captured, caches warm
             before = m.stats()
@@ -104,7 +111,9 @@ def test_bench_decode_vmmstream(benchmark, driver, ckpt, ceilings, config):
             "weight_bytes_per_token": _weight_bytes_per_token(plan), "pinned_h2d_GBps": ceilings["h2d_gbps"],
             "d2d_GBps": ceilings["d2d_gbps"], "vmm_calls_per_decode_token": s["vmm_calls_per_decode_token"],
             "peak_committed_GiB": s["peak_committed"] / GiB, "byte_hit_rate": s["byte_hit_rate"],
-            "graph_replays": s["graph_replays"], "copy_h2d_GBps_eager": s["h2d_gbps"]}
+            "graph_replays": s["graph_replays"], "copy_h2d_GBps_eager": s["h2d_gbps"],
+            "quantize": quantize or "none",
+            "quant_rel_rms_error": (s["quantization"] or {}).get("rel_rms_error")}
     if streamed:
         bound = ceilings["h2d_gbps"] * 1e9 / streamed
         info.update(bound="pcie", bound_tok_s=bound, ratio=tps / bound, bar=0.9)
@@ -150,5 +159,87 @@ def test_bench_decode_transformers(benchmark, ckpt, ceilings, config):
                                  "pinned_h2d_GBps": ceilings["h2d_gbps"], "d2d_GBps": ceilings["d2d_gbps"],
                                  "note": "CUDA-event time around generate (prefill included)"})
     print(f"\nhf {config}: {tps:.2f} tok/s")
+    del model
+    torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------ MoE
+
+@pytest.fixture(scope="module")
+def moe_ckpt(tmp_path_factory):
+    from vmmstream.model import make_checkpoint
+    t0 = time.perf_counter()
+    path = make_checkpoint("mixtral-4.7b", tmp_path_factory.mktemp("mixtral"), seed=0)
+    print(f"\nwrote the Mixtral-shaped 4.7B checkpoint in {time.perf_counter() - t0:.1f} s")
+    return path
+
+
+@pytest.mark.parametrize("config", ["resident", "3GiB"])
+def test_bench_decode_moe_vmmstream(benchmark, driver, moe_ckpt, ceilings, config):
+    """The Mixtral-shaped preset resident and at 3 GiB (about a quarter of the experts resident, the routed
+    others gathered): tokens/s, expert bytes streamed per token and the bound (H2D ÷ dense streamed + measured
+    expert bytes per token; resident: D2D ÷ bytes read per token)."""
+    from vmmstream.memory import DeviceMemory
+    budget = 24 * GiB if config == "resident" else int(config[:-3]) * GiB
+    mem = DeviceMemory(driver, budget)
+    try:
+        with vmmstream.load_model(moe_ckpt, memory=mem, max_context=MAX_CONTEXT, progress=False) as m:
+            m.generate(PROMPT, 4)
+            before = m.stats()
+            benchmark.pedantic(lambda: m.generate(PROMPT, NEW), rounds=3, iterations=1)
+            s, plan = m.stats(), m.plan
+    finally:
+        mem.close()
+    toks = s["decode_tokens"] - before["decode_tokens"]
+    tps = toks / ((s["decode_device_ms"] - before["decode_device_ms"]) / 1e3)
+    ex_bytes = s["expert_bytes_per_token"]
+    per_token = plan.streamed_bytes_per_token + ex_bytes
+    info = {"config": f"mixtral-{config}", "strategy": plan.strategy, "decode_tok_s": tps,
+            "experts_resident": s["experts_resident"], "expert_hit_rate": s["expert_hit_rate"],
+            "experts_streamed_per_token": s["experts_streamed_per_token"], "expert_bytes_per_token": ex_bytes,
+            "dense_streamed_bytes_per_token": plan.streamed_bytes_per_token,
+            "pinned_h2d_GBps": ceilings["h2d_gbps"], "d2d_GBps": ceilings["d2d_gbps"]}
+    if per_token:
+        bound = ceilings["h2d_gbps"] * 1e9 / per_token
+        info.update(bound="pcie", bound_tok_s=bound, ratio=tps / bound)
+    else:
+        bound = ceilings["d2d_gbps"] * 1e9 / _weight_bytes_per_token(plan)
+        info.update(bound="hbm", bound_tok_s=bound, ratio=tps / bound)
+    benchmark.extra_info.update(info)
+    print(f"\nmixtral {config}: {tps:.1f} tok/s, bound {bound:.1f} ({info['bound']}), {ex_bytes / 1e9:.2f} GB "
+          "of experts per token")
+    assert s["vmm_calls_per_decode_token"] == 0 and s["peak_committed"] <= budget
+
+
+@pytest.mark.parametrize("config", ["resident", "3GiB"])
+def test_bench_decode_moe_transformers(benchmark, moe_ckpt, ceilings, config):
+    import torch
+    from transformers import AutoModelForCausalLM
+    if config == "resident":
+        model = AutoModelForCausalLM.from_pretrained(moe_ckpt, dtype=torch.bfloat16, device_map="cuda:0")
+        new = HF_NEW
+    else:
+        model = AutoModelForCausalLM.from_pretrained(moe_ckpt, dtype=torch.bfloat16, device_map="auto",
+                                                     max_memory={0: config, "cpu": "96GiB"})
+        new = ACCEL_NEW
+    ids = torch.tensor([PROMPT], device="cuda:0")
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+
+    def run():
+        start.record()
+        model.generate(ids, **kw)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    tps = new / (min(times) / 1e3)
+    benchmark.extra_info.update({"config": f"mixtral-hf-{'eager' if config == 'resident' else 'accelerate'}-{config}",
+                                 "decode_tok_s": tps, "new_tokens": new,
+                                 "note": "CUDA-event time around generate (prefill included)"})
+    print(f"\nhf mixtral {config}: {tps:.2f} tok/s")
     del model
     torch.cuda.empty_cache()

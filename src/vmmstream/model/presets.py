@@ -70,13 +70,12 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                                   rms_norm_eps=1e-5, num_experts=4, num_experts_per_tok=2,
                                   moe_intermediate_size=128, norm_topk_prob=True),
            "Mixtral-shaped, 4 experts top-2, ~0.2 M parameters: CPU tests"),
-    Preset("mixtral-4l", _llama(architecture="MixtralForCausalLM", vocab_size=32000, hidden_size=4096,
-                                intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32,
-                                num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
-                                rms_norm_eps=1e-5, num_experts=8, num_experts_per_tok=2,
-                                moe_intermediate_size=14336, norm_topk_prob=True),
-           "Mixtral-8x7B layer shape (8 experts top-2, hidden 4096, expert 14336), 4 layers: 5.9 B parameters, "
-           "the MoE benchmark model"),
+    Preset("mixtral-4.7b", _llama(architecture="MixtralForCausalLM", vocab_size=32000, hidden_size=2048,
+                                  intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
+                                  num_key_value_heads=4, head_dim=128, max_position_embeddings=4096,
+                                  rms_norm_eps=1e-5, num_experts=8, num_experts_per_tok=2,
+                                  moe_intermediate_size=5632, norm_topk_prob=True),
+           "Mixtral-shaped 4.7B (8.81 GiB bf16; 8 experts top-2, expert MLP 5632), the GPU.md MoE benchmark model"),
 )}
 
 
