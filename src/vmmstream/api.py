@@ -143,6 +143,9 @@ class Model:
         self.kv = KVCache(mem, ops, self.config, plan, self.holder)
         self.acts = Activations(mem, ops, self.config, plan, self.holder, tmax)
         self._blocks.append(self.acts.block)
+        if self.weights.experts is not None:
+            v = self.acts.views(1)
+            self.weights.experts.bind((v.expert_loc, v.expert_counts, v.expert_stats))
         ws = plan.workspace["session"]
         self.ws_block = mem.allocate(ws, role="workspace_session", holder=self.holder, arena="workspace") \
             if ws else None
@@ -171,9 +174,8 @@ class Model:
         self._graph(None)
         ex = self.weights.experts
         if ex is not None:          # the warm-up step's routing (token 0 at position 0) is not the user's
-            ex.counts[...] = 0
-            for k in ex.counters:
-                ex.counters[k] = 0
+            d.stream_synchronize(self.S)
+            ex.reset_counters()
 
     # -------------------------------------------------------------------------------- small helpers
     def _host(self, name, dtype, count):
@@ -303,8 +305,9 @@ class Model:
         number of experts moved. Outside any graph: the units are copied and the location table rewritten,
         and the captured decode graph reads the table when it runs, so nothing is recaptured."""
         ex = self.weights.experts if self.weights is not None else None
-        if ex is None or not ex.on_demand or not ex.pool:
+        if ex is None or not ex.on_demand or not ex.n_pool:
             return 0
+        self.driver.stream_synchronize(self.S)
         best = ex.best_resident()
         if set(best) == set(ex.owner):
             return 0
@@ -403,6 +406,7 @@ class Model:
         }
         ex = self.weights.experts if self.weights is not None else None
         if ex is not None:
+            self.driver.stream_synchronize(self.S)
             k, dec = ex.counters, c["decode_tokens"]
             out.update({
                 "expert_hits": k["decode_hits"] + k["prefill_hits"],
@@ -410,7 +414,7 @@ class Model:
                 "expert_hit_rate": ((k["decode_hits"] + k["prefill_hits"])
                                     / max(1, sum(k[x] for x in ("decode_hits", "prefill_hits", "decode_misses",
                                                                 "prefill_misses")))),
-                "experts_resident": len(ex.pool), "expert_slots": len(ex.slots),
+                "experts_resident": ex.n_pool, "expert_slots": ex.n_slots,
                 "experts_streamed_per_token": k["decode_misses"] / dec if dec else 0.0,
                 "expert_bytes_per_token": k["decode_bytes"] / dec if dec else 0.0,
                 "expert_bytes_gathered": k["decode_bytes"] + k["prefill_bytes"],
@@ -525,17 +529,24 @@ def workspace_peaks(config, max_context: int, tmax: int) -> dict:
                   sampling.workspace_requirement(1, c.vocab_size, "sample").bytes)
     step = attention_prefill.workspace_requirement(tmax, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                                                    start_pos=max_context - tmax).bytes
+    if getattr(c, "is_moe", False):
+        # expert routing + h: decode (inside the graph: session lifetime) over the k slots or a layer's experts,
+        # prefill rounds over the k slots
+        from vmmstream.kernels import moe
+        k, n = c.num_experts_per_tok, max(c.num_experts_per_tok, c.num_experts)
+        session = max(session, moe.workspace_requirement(1, k, n, c.moe_intermediate_size).bytes)
+        step = max(step, moe.workspace_requirement(tmax, k, n, c.moe_intermediate_size).bytes)
     return {"step": int(step), "session": int(session)}
 
 
 def _check_cuda_shapes(c) -> None:
     from vmmstream.kernels import attention_decode
     from .model import UnsupportedModelError
-    if c.is_moe:
+    if c.is_moe and (c.num_experts > 128 or c.num_experts_per_tok > 8 or c.hidden_size % 8
+                     or c.moe_intermediate_size % 8):
         raise UnsupportedModelError(
-            f"{c.architecture}: mixture-of-experts models run on the host backend only in this version (the CUDA "
-            "MoE kernels exist in vmmstream.kernels.moe but the CUDA step does not use them yet); pass "
-            "backend='host'")
+            f"{c.architecture}: the CUDA MoE kernels take at most 128 experts, top-k <= 8, and hidden and expert "
+            "sizes that are multiples of 8")
     g = c.num_attention_heads // c.num_key_value_heads
     if c.head_dim not in attention_decode.HEAD_DIMS or g > attention_decode.MAX_GROUP:
         raise UnsupportedModelError(

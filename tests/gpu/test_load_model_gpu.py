@@ -109,6 +109,38 @@ def test_quantized_oracle_on_cuda_resident_and_streamed(driver, tmp_path, kind):
                         f"our error there {err[k].max():.4f}")
 
 
+@pytest.mark.parametrize("arch,seed", [("mixtral", 3), ("qwen2-moe", 0)])
+def test_moe_oracle_on_cuda_resident_and_experts_on_demand(driver, tmp_path, arch, seed):
+    """Mixtral / Qwen2-MoE on CUDA: the pool stack when every expert is resident; at a budget holding the
+    dense part and half the experts, the routed others gathered into the slots inside the decode graph.
+    Same logits bound as the dense oracle; counters: misses, bytes per token, no VMM call per token."""
+    hf_tokens, hf_logits = _hf(arch, seed, tmp_path)
+    from vmmstream.api import workspace_peaks
+    from vmmstream.model import open_checkpoint
+    from vmmstream.planning import make_plan
+    ck = open_checkpoint(tmp_path)
+    full = make_plan(ck.config, ck.tensors, 1 << 40, granularity=driver.granularity(), max_context=MC,
+                     workspace=workspace_peaks(ck.config, MC, MC))
+    ep = full.experts
+    dense = full.weight_bytes - ep.total * ep.unit_bytes
+    for budget, where in ((full.floor + full.weight_bytes, "resident"),
+                          (full.floor + dense + (ep.top_k + ep.total // 2) * ep.unit_bytes, "on demand")):
+        (tokens, logits), plan, stats = _run(driver, tmp_path, budget)
+        assert (plan.experts.slots == 0) == (where == "resident")
+        assert stats["vmm_calls_per_decode_token"] == 0 and stats["peak_committed"] <= budget
+        if where == "on demand":
+            assert stats["expert_misses"] > 0
+            assert stats["expert_bytes_per_token"] == stats["experts_streamed_per_token"] * ep.unit_payload
+        k = next((i for i, (a, b) in enumerate(zip(tokens, hf_tokens)) if a != b), NEW)
+        tol = ATOL_FRAC * np.abs(hf_logits).max(axis=1, keepdims=True)
+        err = np.abs(logits - hf_logits)[:k + 1]
+        assert np.all(err <= tol[:k + 1]), f"{arch}/{where}: logit error {err.max():.4f}"
+        if k < NEW:
+            top2 = np.sort(hf_logits[k])[-2:]
+            pytest.fail(f"{arch}/{where}: tokens differ at {k}; reference margin {top2[1] - top2[0]:.4f}, "
+                        f"our error there {err[k].max():.4f}")
+
+
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     from vmmstream.model import make_checkpoint

@@ -146,7 +146,8 @@ def test_experts_rebalance_to_the_routed_ones_without_recapture(reference):
             moved = model.rebalance_experts(force=True)
             assert moved == len(set(best) - before) > 0
             assert set(ex.owner) == set(best) and all(ex.loc[u] >= 0 for u in best)
-            assert sum(1 for v in ex.loc.reshape(-1) if v >= 0) == len(ex.pool)
+            assert sum(1 for v in ex.loc.reshape(-1) if v >= 0) == ex.n_pool
+            np.testing.assert_array_equal(np.array(ex.loc_dev), ex.loc)          # the device table follows
             k0 = dict(ex.counters)
             second = model.generate(PROMPT, NEW)
             s2 = model.stats()
@@ -186,3 +187,33 @@ def test_expert_plan_accounting():
         make_plan(cfg, tensors, 256 << 20)
     q = make_plan(cfg, tensors, 3 * gib, quantize="int4")
     assert q.experts.unit_payload < ep.unit_payload / 3 and len(q.experts.resident) > len(ep.resident)
+
+
+def test_expert_stacks_index_the_units(reference):
+    """The strided [n, ...] stacks the CUDA expert kernels take: the slots stack, and with every expert
+    resident a layer's pool stack, whose entry e is expert e's checkpoint weight."""
+    import torch
+    from safetensors.torch import load_file
+    arch, path, _, _ = reference
+    _, full = _full_plan(path)
+    raw = {k: v.view(torch.int16).numpy() for k, v in load_file(str(path / "model.safetensors")).items()}
+    mem = DeviceMemory(HostDriver(granularity=G, total_bytes=1 << 30), _budget(full, "resident"))
+    try:
+        with vmmstream.load_model(path, memory=mem, max_context=MC) as model:
+            ex, c = model.weights.experts, model.config
+            for layer in range(c.num_hidden_layers):
+                stack = ex.stack("pool", layer)
+                for e in range(c.num_experts):
+                    for w, name in zip(stack, c.expert_names(layer, e)):
+                        np.testing.assert_array_equal(w[e], raw[name].view(np.uint16))
+    finally:
+        mem.close()
+    mem = DeviceMemory(HostDriver(granularity=G, total_bytes=1 << 30), _budget(full, "experts"))
+    try:
+        with vmmstream.load_model(path, memory=mem, max_context=MC) as model:
+            ex = model.weights.experts
+            ex.gather_host(1, (1, 3))
+            for w, name in zip(ex.stack("slots"), model.config.expert_names(1, 3)):
+                np.testing.assert_array_equal(w[1], raw[name].view(np.uint16))
+    finally:
+        mem.close()

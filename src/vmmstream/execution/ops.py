@@ -52,6 +52,25 @@ class HostOps:
         buf = (ctypes.c_uint8 * max(n, 1)).from_address(va)
         return np.frombuffer(buf, dtype=np.uint8, count=n).view(dtype).reshape(shape)
 
+    def view_strided(self, va: int, shape, dtype, outer_stride: int):
+        """[n, ...] with ``outer_stride`` bytes between the n rows, each row a C-contiguous ``shape[1:]``."""
+        dtype = np.dtype(dtype)
+        shape = tuple(int(x) for x in shape)
+        inner = math.prod(shape[1:]) * dtype.itemsize
+        n = (shape[0] - 1) * outer_stride + inner if shape[0] else 0
+        buf = np.frombuffer((ctypes.c_uint8 * max(n, 1)).from_address(va), dtype=np.uint8, count=max(n, 1))
+        strides = (outer_stride,) + tuple(np.empty(shape[1:], dtype).strides)
+        return np.lib.stride_tricks.as_strided(buf.view(np.uint8), shape=shape + (dtype.itemsize,),
+                                               strides=strides + (1,)).view(dtype).reshape(shape)
+
+    @staticmethod
+    def to_device(view, values) -> None:
+        view[...] = np.asarray(values).reshape(view.shape)
+
+    @staticmethod
+    def to_host(view):
+        return np.array(view)
+
     def _run(self, stream, fn):
         self.launches += 1
         self.driver.launch_host_func(stream, fn)
@@ -147,9 +166,9 @@ class HostOps:
 
     # -- mixture of experts (host references; the tokens routed to an expert are read from the device
     #    buffers when the op runs, so one recorded graph serves every routing) --
-    def moe_route(self, s, logits, topk_ids, topk_w, norm: bool, counts=None):
-        """softmax over the experts (fp64), top-k (ties: the lower expert id), optionally renormalised;
-        ``counts[e]`` += tokens routed to e."""
+    def moe_route(self, s, logits, topk_ids, topk_w, norm: bool, counts=None, scoring=None):
+        """softmax over the experts (fp64), top-k (ties: the lower expert id), optionally renormalised
+        (Mixtral's softmax over the top-k logits is the renormalised case); ``counts[e]`` += tokens routed to e."""
         def run():
             lg = np.asarray(logits, np.float64)
             p = np.exp(lg - lg.max(axis=1, keepdims=True))
@@ -170,7 +189,6 @@ class HostOps:
         in place; the others are copied from their pinned host copies into the gather slots, as many at a
         time as there are slots, before their math. Counts hits, misses and bytes gathered."""
         gemv, silu_mul = self.k["gemv"], self.k["elementwise"].reference_silu_mul
-        which = "decode" if decode else "prefill"
 
         def expert(views, e, ids, wts):
             hit = ids == e
@@ -186,19 +204,24 @@ class HostOps:
         def run():
             ids, wts = np.asarray(topk_ids), np.asarray(topk_w)
             routed = np.unique(ids)
-            loc = ex.loc[layer]
+            loc = ex.loc_dev[layer]
             here = [int(e) for e in routed if loc[e] >= 0]
             away = [int(e) for e in routed if loc[e] < 0]
             for e in here:
                 expert(ex.pool_views[loc[e]], e, ids, wts)
-            n = len(ex.slots)
+            n = ex.n_slots
             for i in range(0, len(away), max(n, 1)):
                 for j, e in enumerate(away[i:i + n]):
                     ex.gather_host(j, (layer, e))
                     expert(ex.slot_views[j], e, ids, wts)
-            ex.counters[which + "_hits"] += len(here)
-            ex.counters[which + "_misses"] += len(away)
-            ex.counters[which + "_bytes"] += len(away) * ex.ep.unit_payload
+            if decode:          # the device counters, as the CUDA gather keeps them
+                ex.stats_dev[0] += len(here)
+                ex.stats_dev[1] += len(away)
+                ex.stats_dev[2] += len(away) * ex.ep.unit_payload
+            else:
+                ex.host_counters["prefill_hits"] += len(here)
+                ex.host_counters["prefill_misses"] += len(away)
+                ex.host_counters["prefill_bytes"] += len(away) * ex.ep.unit_payload
         self._run(s, run)
 
     def fill_zero(self, s, buf):
@@ -266,9 +289,107 @@ class CudaOps:
                                         "version": 3, "strides": None}
         return self.cuda.as_cuda_array(_Cai(), sync=False)
 
+    def view_strided(self, va: int, shape, dtype, outer_stride: int):
+        dtype = np.dtype(dtype)
+        shape = tuple(int(x) for x in shape)
+        strides = (int(outer_stride),) + tuple(np.empty(shape[1:], dtype).strides)
+
+        class _Cai:
+            __cuda_array_interface__ = {"shape": shape, "typestr": dtype.str, "data": (int(va), False),
+                                        "version": 3, "strides": strides}
+        return self.cuda.as_cuda_array(_Cai(), sync=False)
+
+    @staticmethod
+    def to_device(view, values) -> None:
+        """Synchronous host -> device copy into a view (outside captures: set-up and re-planning only)."""
+        view.copy_to_device(np.ascontiguousarray(np.asarray(values, dtype=view.dtype).reshape(view.shape)))
+
+    @staticmethod
+    def to_host(view):
+        return view.copy_to_host()
+
     @staticmethod
     def _s(stream):
         return stream.handle
+
+    @staticmethod
+    def _va(arr) -> int:
+        return int(arr.__cuda_array_interface__["data"][0])
+
+    # -- mixture of experts --
+    def moe_route(self, s, logits, topk_ids, topk_w, norm: bool, counts=None, scoring=None):
+        """Router top-k on the device (counts are kept by the gather, on the decode path)."""
+        self.launches += 1
+        self.k_moe().router_topk(logits, topk_ids, topk_w, scoring=scoring or "mixtral",
+                                 norm_topk_prob=None if scoring in (None, "mixtral") else bool(norm),
+                                 stream=self._s(s))
+
+    def k_moe(self):
+        from vmmstream.kernels import moe
+        return moe
+
+    def fill_zero(self, s, buf):
+        self.launches += 1
+        self.driver.memset_d8_async(self._va(buf), 0, int(buf.nbytes), s)
+
+    def expert_gather(self, s, ex, layer, topk_ids, mapped):
+        """Decode: the routed experts' units into the slots, from the pool or the pinned host copy."""
+        from vmmstream.kernels import expert_gather
+        self.launches += 1
+        E, U = ex.ep.per_layer, ex.U
+        host = self.view(ex.host_base + layer * E * U, (E, U), np.uint8)
+        slots = self.view(ex.slot_block.va, (ex.n_slots, U), np.uint8)
+        pool = self.view(ex.pool_block.va, (ex.n_pool, U), np.uint8) if ex.n_pool else slots
+        expert_gather.gather(topk_ids, ex.loc_dev[layer], pool, host, slots, mapped, ex.counts_dev[layer],
+                             ex.stats_dev, stream=self._s(s))
+
+    def moe_ffn(self, s, stack, ids, x, y, ws, n_experts):
+        """Group the (token, slot) pairs of ``ids`` by expert and run the SwiGLU FFN over ``stack``."""
+        moe = self.k_moe()
+        self.launches += 3
+        moe.group_by_expert(ids, workspace=ws, num_experts=n_experts, stream=self._s(s))
+        g, u, d = stack
+        if _is_q(g):
+            parts = [(w.packed, w.scales, w.zeros) if w.kind == "int4" else (w.packed, w.scales) for w in stack]
+            fn = moe.expert_ffn_int4 if g.kind == "int4" else moe.expert_ffn_mxfp4
+            fn(x, *parts, y, workspace=ws, stream=self._s(s))
+        else:
+            moe.expert_ffn(x, g, u, d, y, workspace=ws, stream=self._s(s))
+
+    def moe_combine(self, s, y, topk_w, out, shared=None, shared_gate=None):
+        self.launches += 1
+        self.k_moe().combine(y, topk_w, out, shared=shared, shared_gate=shared_gate, stream=self._s(s))
+
+    def moe_experts_prefill(self, s, ex, layer, x, topk_ids, mapped, y, ws):
+        """Prefill (eager): the routed experts in rounds of at most k slots, driven from the host — read the
+        routing, copy each round's units into the slots (pool: device to device; others: host to device),
+        run the FFN over the slots for the pairs of that round (other pairs masked), y zeroed first."""
+        d = self.driver
+        self.fill_zero(s, y)
+        d.stream_synchronize(s)
+        ids = topk_ids.copy_to_host()
+        routed = [int(e) for e in np.unique(ids)]
+        k = ex.n_slots
+        for i in range(0, len(routed), k):
+            chunk = routed[i:i + k]
+            m = np.full(ids.shape, -1, np.int32)
+            for j, e in enumerate(chunk):
+                r = int(ex.loc[layer, e])
+                if r >= 0:
+                    d.memcpy_dtod_async(ex.slot_va(j), ex.pool_va(r), ex.ep.unit_payload, s)
+                    ex.host_counters["prefill_hits"] += 1
+                else:
+                    d.memcpy_htod_async(ex.slot_va(j), ex.host[(layer, e)], ex.ep.unit_payload, s)
+                    ex.host_counters["prefill_misses"] += 1
+                    ex.host_counters["prefill_bytes"] += ex.ep.unit_payload
+                m[ids == e] = j
+            d.stream_synchronize(s)
+            mapped.copy_to_device(m)
+            self.moe_ffn(s, ex.stack("slots"), mapped, x, y, ws, k)
+            d.stream_synchronize(s)         # the slots are refilled by the next round
+        counts = ex.counts
+        counts[layer] += np.bincount(ids.reshape(-1), minlength=ex.ep.per_layer)[:ex.ep.per_layer]
+        self.to_device(ex.counts_dev, counts)
 
     def embedding(self, s, table, ids, out):
         self.launches += 1

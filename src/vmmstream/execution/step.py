@@ -55,7 +55,11 @@ class Activations:
             E, k = c.num_experts, c.num_experts_per_tok
             self.spec.update({"router": ((E,), np.float32, True), "moe_acc": ((h,), np.float32, True),
                               "topk_ids": ((k,), np.int32, True), "topk_w": ((k,), np.float32, True),
-                              "sgate": ((1,), np.float32, True)})
+                              "sgate": ((1,), np.float32, True), "moe_y": ((k * h,), np.float32, True),
+                              "moe_mapped": ((k,), np.int32, True),
+                              "expert_loc": ((c.num_hidden_layers, E), np.int32, False),
+                              "expert_counts": ((c.num_hidden_layers, E), np.int64, False),
+                              "expert_stats": ((3,), np.int64, False)})
         self.offsets, off = {}, 0
         for name, (shape, dt, per_t) in self.spec.items():
             n = math.prod(shape) * np.dtype(dt).itemsize * (tmax if per_t else 1)
@@ -85,6 +89,8 @@ class Activations:
             v["v3"] = self.ops.view(self.addr("v"), (t, c.num_key_value_heads, c.head_dim), np.uint16)
             v["attn3"] = self.ops.view(self.addr("attn"), (t, c.num_attention_heads, c.head_dim), np.uint16)
             if c.is_moe:
+                k = c.num_experts_per_tok
+                v["moe_y3"] = self.ops.view(self.addr("moe_y"), (t, k, c.hidden_size), np.float32)
                 v["eg"] = self.ops.view(self.addr("gate"), (t, c.moe_intermediate_size), np.uint16)
                 v["eu"] = self.ops.view(self.addr("up"), (t, c.moe_intermediate_size), np.uint16)
                 si = c.shared_expert_intermediate_size
@@ -126,6 +132,7 @@ class Step:
 
     def body(self, t: int, *, decode: bool, start_pos: int = 0, ws_step=None) -> None:
         """Embedding, every layer and the logits of the last token, for ``t`` tokens."""
+        self._ws_step = ws_step
         o, S, c, W = self.ops, self.S, self.c, self.w.array
         a = self.acts.views(t)
         ids, pos = (a.inp, a.positions) if decode else (a.ids, a.pos)
@@ -188,19 +195,35 @@ class Step:
         ex = self.w.experts
         rn = c.router_name(layer)
         self._use([rn], lambda: mm(a.router, W(rn), a.xn))
-        o.moe_route(S, a.router, a.topk_ids, a.topk_w, c.norm_topk_prob, counts=ex.counts[layer])
-        o.fill_zero(S, a.moe_acc)
-        o.moe_experts(S, ex, layer, a.xn, a.topk_ids, a.topk_w, a.eg, a.moe_acc, decode)
+        o.moe_route(S, a.router, a.topk_ids, a.topk_w, c.norm_topk_prob, counts=ex.counts_dev[layer],
+                    scoring=c.model_type)
+        shared = sgate = None
         if c.shared_expert_intermediate_size:
-            sg, su, sd, sgate = c.shared_expert_names(layer)
+            sg, su, sd, sgn = c.shared_expert_names(layer)
             self._use([sg], lambda: mm(a.sg, W(sg), a.xn))
             self._use([su], lambda: mm(a.su, W(su), a.xn))
             o.silu_mul(S, a.sg, a.su, a.sg)
             self._use([sd], lambda: mm(a.proj, W(sd), a.sg))
-            self._use([sgate], lambda: mm(a.sgate, W(sgate), a.xn))
-            o.moe_finish(S, a.moe_acc, a.proj, a.proj, a.sgate)
+            self._use([sgn], lambda: mm(a.sgate, W(sgn), a.xn))
+            shared, sgate = a.proj, a.sgate
+        if o.backend == "host":
+            o.fill_zero(S, a.moe_acc)
+            o.moe_experts(S, ex, layer, a.xn, a.topk_ids, a.topk_w, a.eg, a.moe_acc, decode)
+            o.moe_finish(S, a.moe_acc, a.proj, shared, sgate)
+            return
+        # CUDA: decode gathers the routed units into the slots inside the graph; prefill runs host-driven rounds
+        if not ex.on_demand:
+            o.moe_ffn(S, ex.stack("pool", layer), a.topk_ids, a.xn, a.moe_y3, self._moe_ws(decode),
+                      c.num_experts)
+        elif decode:
+            o.expert_gather(S, ex, layer, a.topk_ids, a.moe_mapped)
+            o.moe_ffn(S, ex.stack("slots"), a.moe_mapped, a.xn, a.moe_y3, self._moe_ws(decode), ex.n_slots)
         else:
-            o.moe_finish(S, a.moe_acc, a.proj)
+            o.moe_experts_prefill(S, ex, layer, a.xn, a.topk_ids, a.moe_mapped, a.moe_y3, self._moe_ws(decode))
+        o.moe_combine(S, a.moe_y3, a.topk_w, a.proj, shared, sgate)
+
+    def _moe_ws(self, decode: bool):
+        return self.ws_session if decode else self._ws_step
 
     def select(self, sampling) -> None:
         """next = argmax(logits) (``sampling`` None) or a draw with (temperature, top_k, top_p)."""

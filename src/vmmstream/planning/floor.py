@@ -58,8 +58,9 @@ def activation_bytes(config, max_context: int, batch: int, granularity: int,
     plus fp32 logits for one position per sequence (``vocab · 4 · batch``) and int32 token ids and
     positions (``8 · T · batch``). Decode uses a prefix of the same buffers (T = 1). The MLP width is the
     widest of the dense, routed-expert and shared-expert intermediate sizes; a mixture of experts adds fp32
-    router logits (``4 · experts``), an fp32 accumulator of the routed experts' outputs (``4 · hidden``)
-    and the top-k ids and weights (``8 · k``) per token.
+    router logits (``4 · experts``), an fp32 accumulator of the routed experts' outputs (``4 · hidden``), the
+    top-k ids, weights and slot mapping (``12 · k``), the shared-expert gate logit, and the experts' fp32
+    outputs (``4 · k · hidden``) per token, plus the expert location table and counters.
     """
     t = min(prefill_chunk, max_context)
     width = max(config.intermediate_size, getattr(config, "moe_intermediate_size", 0),
@@ -69,6 +70,9 @@ def activation_bytes(config, max_context: int, batch: int, granularity: int,
                         + 3 * width)
     experts = getattr(config, "num_experts", 0)
     if experts:
-        per_token += 4 * experts + 4 * config.hidden_size + 8 * config.num_experts_per_tok
+        k = config.num_experts_per_tok
+        per_token += 4 * experts + 4 * config.hidden_size + 12 * k + 4 + 4 * k * config.hidden_size
     raw = batch * t * (per_token + 8) + batch * config.vocab_size * 4
+    if experts:     # expert location table, routing counts, decode counters
+        raw += 12 * config.num_hidden_layers * experts + 24 + 4 * 256
     return round_up(raw, granularity)
