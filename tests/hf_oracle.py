@@ -55,6 +55,13 @@ def build_reference(arch: str, seed: int, out, common: dict, prompt: list[int], 
                 if quantizable(name, tuple(param.shape), quantize):
                     w = param.detach().numpy()
                     param.copy_(torch.from_numpy(dequantize(quantize_weight(w, quantize), quantize)))
+                elif name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                    # transformers keeps the experts stacked ([E, 2I, H] gate|up, [E, H, I] down); quantization
+                    # groups run along each row's input dim, so quantizing expert e's stacked rows is quantizing
+                    # its gate, up and down weights one by one, as vmmstream does per checkpoint tensor
+                    for e in range(param.shape[0]):
+                        w = param[e].detach().numpy()
+                        param[e].copy_(torch.from_numpy(dequantize(quantize_weight(w, quantize), quantize)))
     ids, logits = list(prompt), []
     with torch.no_grad():
         for _ in range(new):
