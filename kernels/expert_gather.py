@@ -27,7 +27,7 @@ from .launch import SIM, as_stream, check_workspace
 from .workspace import NONE
 
 CAPTURE_SAFE = True      # device arrays only (the host copy is host-mapped memory), no allocation, no sync
-CHUNK = 1 << 20          # bytes per block
+CHUNK = 256 << 10         # bytes per block: 264 blocks for two 66 MiB units, loads in flight on every SM
 THREADS = 256
 HITS, MISSES, BYTES = 0, 1, 2
 

@@ -16,6 +16,7 @@ on these sizes.
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -118,6 +119,7 @@ class ErrorReport:
         self._sq_ref = 0.0
         self.worst_rel_rms = 0.0
         self.worst = ""
+        self._lock = threading.Lock()      # weights are quantized on several threads while loading
 
     def quantize_into(self, name: str, w: np.ndarray, lay: QLayout, dst: np.ndarray) -> None:
         """Quantize fp32 ``w`` [N, K] into the uint8 payload ``dst`` (laid out as ``lay``) and record its error."""
@@ -129,10 +131,15 @@ class ErrorReport:
         d = dequantize(qw, lay.kind).astype(np.float64) - w
         sq_err, sq_ref = float(np.sum(d * d)), float(np.sum(w.astype(np.float64) ** 2))
         rel = (sq_err / sq_ref) ** 0.5 if sq_ref else 0.0
+        max_abs = float(np.abs(d).max()) if d.size else 0.0
+        with self._lock:
+            self._record(name, w.size, lay, max_abs, sq_err, sq_ref, rel)
+
+    def _record(self, name, size, lay, max_abs, sq_err, sq_ref, rel) -> None:
         self.tensors += 1
-        self.bytes_bf16 += 2 * w.size
+        self.bytes_bf16 += 2 * size
         self.bytes_quantized += lay.total
-        self.max_abs = max(self.max_abs, float(np.abs(d).max()) if d.size else 0.0)
+        self.max_abs = max(self.max_abs, max_abs)
         self._sq_err += sq_err
         self._sq_ref += sq_ref
         if rel >= self.worst_rel_rms:

@@ -16,6 +16,7 @@ package's streams) and is idempotent.
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 
 import numpy as np
@@ -157,32 +158,59 @@ class Weights:
                 return temp[info.name]
             return (ctypes.c_uint8 * t.payload).from_address(dest(t))
 
-        from ..model import iter_load
-        for info in iter_load(infos, buffer_for, progress=report):
-            t = self.tensors[info.name]
-            if info.name in temp:
-                raw = temp.pop(info.name)
-                from ..model.checkpoint import DTYPES
-                if info.dtype == "BF16":
-                    vals = bf16_to_f32(raw.view(np.uint16))
-                else:
-                    vals = raw.view(DTYPES[info.dtype]).astype(np.float32)
-                if t.qlayout is not None:
-                    out = np.frombuffer((ctypes.c_uint8 * t.payload).from_address(dest(t)), np.uint8)
-                    out[:] = 0
-                    self.quant.quantize_into(t.name, vals.reshape(t.shape), t.qlayout, out)
-                else:
-                    bits = f32_to_bf16(vals)
-                    ctypes.memmove(dest(t), bits.ctypes.data, t.payload)
+        def place(t: Tensor, src: int) -> None:
+            """The tensor's bytes at host address ``src`` go to its device home (resident, pool unit)."""
             if t.where == "resident":
-                self.driver.memcpy_htod_async(t.block.va, dest(t), t.payload, self.stream)
+                self.driver.memcpy_htod_async(t.block.va, src, t.payload, self.stream)
                 self.driver.stream_synchronize(self.stream)   # the staging area is reused by the next tensor
             elif t.where == "expert":
                 r = self.experts.loc[t.unit]
                 if r >= 0:
-                    self.driver.memcpy_htod_async(self.experts.pool_va(r) + t.unit_off, dest(t), t.payload,
-                                                  self.stream)
+                    self.driver.memcpy_htod_async(self.experts.pool_va(r) + t.unit_off, src, t.payload, self.stream)
                     self.driver.stream_synchronize(self.stream)
+
+        def quantize(t: Tensor, vals: np.ndarray) -> np.ndarray:
+            out = np.zeros(t.payload, np.uint8)
+            self.quant.quantize_into(t.name, vals.reshape(t.shape), t.qlayout, out)
+            return out
+
+        # Quantization (NumPy, which releases the GIL in its array work) runs on a few threads while the
+        # file is read; each result is placed when it is done, in the order it was submitted.
+        from concurrent.futures import ThreadPoolExecutor
+        n_workers = max(1, min(8, os.cpu_count() or 1))
+        workers = ThreadPoolExecutor(max_workers=n_workers) if self.quant.kind else None
+        pending = []
+
+        def drain(limit: int) -> None:
+            while len(pending) > limit:
+                t, fut = pending.pop(0)
+                out = fut.result()
+                if t.host is not None:
+                    ctypes.memmove(t.host, out.ctypes.data, t.payload)
+                place(t, out.ctypes.data)
+
+        from ..model import iter_load
+        try:
+            for info in iter_load(infos, buffer_for, progress=report):
+                t = self.tensors[info.name]
+                if info.name in temp:
+                    raw = temp.pop(info.name)
+                    from ..model.checkpoint import DTYPES
+                    if info.dtype == "BF16":
+                        vals = bf16_to_f32(raw.view(np.uint16))
+                    else:
+                        vals = raw.view(DTYPES[info.dtype]).astype(np.float32)
+                    if t.qlayout is not None:
+                        pending.append((t, workers.submit(quantize, t, vals)))
+                        drain(2 * n_workers)
+                        continue
+                    bits = f32_to_bf16(vals)
+                    ctypes.memmove(dest(t), bits.ctypes.data, t.payload)
+                place(t, dest(t))
+            drain(0)
+        finally:
+            if workers is not None:
+                workers.shutdown(wait=True, cancel_futures=True)
         if report is not None:
             report(total, total, None, final=True)
 
