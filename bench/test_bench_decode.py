@@ -125,6 +125,26 @@ def test_bench_decode_vmmstream(benchmark, driver, ckpt, ceilings, config):
     assert s["vmm_calls_per_decode_token"] == 0 and s["peak_committed"] <= budget
 
 
+def _hf_tokens_per_s(benchmark, model, new: int, rounds: int) -> float:
+    """Greedy ``generate`` of ``new`` tokens after a 2-token warm-up; CUDA-event time, best of ``rounds``."""
+    import torch
+    ids = torch.tensor([PROMPT], device="cuda:0")
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+
+    def run():
+        start.record()
+        model.generate(ids, **kw)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+
+    benchmark.pedantic(run, rounds=rounds, iterations=1)
+    return new / (min(times) / 1e3)
+
+
 @pytest.mark.parametrize("config", ["resident", "2GiB", "4GiB"])
 def test_bench_decode_transformers(benchmark, ckpt, ceilings, config):
     import torch
@@ -139,21 +159,7 @@ def test_bench_decode_transformers(benchmark, ckpt, ceilings, config):
                                                      max_memory={0: config, "cpu": "96GiB"})
         new = ACCEL_NEW
     load_s = time.perf_counter() - t0
-    ids = torch.tensor([PROMPT], device="cuda:0")
-    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
-    model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)    # warm-up
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-
-    def run():
-        start.record()
-        model.generate(ids, **kw)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-
-    benchmark.pedantic(run, rounds=2 if config == "resident" else 1, iterations=1)
-    tps = new / (min(times) / 1e3)
+    tps = _hf_tokens_per_s(benchmark, model, new, rounds=2 if config == "resident" else 1)
     benchmark.extra_info.update({"config": f"hf-{'eager' if config == 'resident' else 'accelerate'}-{config}",
                                  "decode_tok_s": tps, "new_tokens": new, "load_s": round(load_s, 1),
                                  "pinned_h2d_GBps": ceilings["h2d_gbps"], "d2d_GBps": ceilings["d2d_gbps"],
@@ -222,21 +228,7 @@ def test_bench_decode_moe_transformers(benchmark, moe_ckpt, ceilings, config):
         model = AutoModelForCausalLM.from_pretrained(moe_ckpt, dtype=torch.bfloat16, device_map="auto",
                                                      max_memory={0: config, "cpu": "96GiB"})
         new = ACCEL_NEW
-    ids = torch.tensor([PROMPT], device="cuda:0")
-    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
-    model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-
-    def run():
-        start.record()
-        model.generate(ids, **kw)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-
-    benchmark.pedantic(run, rounds=1, iterations=1)
-    tps = new / (min(times) / 1e3)
+    tps = _hf_tokens_per_s(benchmark, model, new, rounds=1)
     benchmark.extra_info.update({"config": f"mixtral-hf-{'eager' if config == 'resident' else 'accelerate'}-{config}",
                                  "decode_tok_s": tps, "new_tokens": new,
                                  "note": "CUDA-event time around generate (prefill included)"})

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_bench_dense_kernels import N_PER_GRAPH, _torch, capture, copy_ceiling, device_seconds, nb, record  # noqa: F401
+from test_bench_dense_kernels import _torch, capture, copy_ceiling, device_seconds, nb, record  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.gpu
 

@@ -9,8 +9,9 @@ The CUDA decode attention takes head_dim 64 or 128, so the oracle models here ar
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
+
+from hf_oracle import check_against_reference
 
 import vmmstream
 from vmmstream.errors import CapacityError, ContextLengthError
@@ -78,14 +79,7 @@ def test_oracle_on_cuda_resident_and_streamed(driver, tmp_path, arch, seed):
     for budget, strategy in ((fits, "resident"), (half, "streamed")):
         (tokens, logits), plan, _ = _run(driver, tmp_path, budget)
         assert plan.strategy == strategy
-        k = next((i for i, (a, b) in enumerate(zip(tokens, hf_tokens)) if a != b), NEW)
-        tol = ATOL_FRAC * np.abs(hf_logits).max(axis=1, keepdims=True)
-        err = np.abs(logits - hf_logits)[:k + 1]
-        assert np.all(err <= tol[:k + 1]), f"{arch}/{strategy}: logit error {err.max():.4f}"
-        if k < NEW:
-            top2 = np.sort(hf_logits[k])[-2:]
-            pytest.fail(f"{arch}/{strategy}: tokens differ at {k}; reference margin {top2[1] - top2[0]:.4f}, "
-                        f"our error there {err[k].max():.4f}")
+        check_against_reference(f"{arch}/{strategy}", tokens, logits, hf_tokens, hf_logits, ATOL_FRAC)
 
 
 @pytest.mark.parametrize("kind", ["int4", "mxfp4"])
@@ -99,14 +93,7 @@ def test_quantized_oracle_on_cuda_resident_and_streamed(driver, tmp_path, kind):
         (tokens, logits), plan, stats = _run(driver, tmp_path, budget, quantize=kind)
         assert plan.strategy == strategy and plan.quantization == kind
         assert stats["quantization"]["tensors"] == 7 * COMMON["num_hidden_layers"]
-        k = next((i for i, (a, b) in enumerate(zip(tokens, hf_tokens)) if a != b), NEW)
-        tol = ATOL_FRAC * np.abs(hf_logits).max(axis=1, keepdims=True)
-        err = np.abs(logits - hf_logits)[:k + 1]
-        assert np.all(err <= tol[:k + 1]), f"{kind}/{strategy}: logit error {err.max():.4f}"
-        if k < NEW:
-            top2 = np.sort(hf_logits[k])[-2:]
-            pytest.fail(f"{kind}/{strategy}: tokens differ at {k}; reference margin {top2[1] - top2[0]:.4f}, "
-                        f"our error there {err[k].max():.4f}")
+        check_against_reference(f"{kind}/{strategy}", tokens, logits, hf_tokens, hf_logits, ATOL_FRAC)
 
 
 @pytest.mark.parametrize("arch,seed", [("mixtral", 3), ("qwen2-moe", 0)])
@@ -131,14 +118,7 @@ def test_moe_oracle_on_cuda_resident_and_experts_on_demand(driver, tmp_path, arc
         if where == "on demand":
             assert stats["expert_misses"] > 0
             assert stats["expert_bytes_per_token"] == stats["experts_streamed_per_token"] * ep.unit_payload
-        k = next((i for i, (a, b) in enumerate(zip(tokens, hf_tokens)) if a != b), NEW)
-        tol = ATOL_FRAC * np.abs(hf_logits).max(axis=1, keepdims=True)
-        err = np.abs(logits - hf_logits)[:k + 1]
-        assert np.all(err <= tol[:k + 1]), f"{arch}/{where}: logit error {err.max():.4f}"
-        if k < NEW:
-            top2 = np.sort(hf_logits[k])[-2:]
-            pytest.fail(f"{arch}/{where}: tokens differ at {k}; reference margin {top2[1] - top2[0]:.4f}, "
-                        f"our error there {err[k].max():.4f}")
+        check_against_reference(f"{arch}/{where}", tokens, logits, hf_tokens, hf_logits, ATOL_FRAC)
 
 
 @pytest.fixture(scope="module")

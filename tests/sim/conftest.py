@@ -7,6 +7,8 @@ rather than running on a real GPU or skipping. CI runs this tier as its own proc
 NUMBA_ENABLE_CUDASIM=1 pytest -m sim tests/sim
 """
 
+import sys
+
 import pytest
 from numba import config
 
@@ -22,3 +24,13 @@ def _require_simulator():
         pytest.fail("the sim tier needs the Numba CUDA simulator, but numba was imported without it: "
                     "run it in its own process with NUMBA_ENABLE_CUDASIM=1, e.g. "
                     "`NUMBA_ENABLE_CUDASIM=1 python -m pytest -m sim tests/sim`", pytrace=False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fast_thread_switching():
+    """One Python thread per CUDA thread: short GIL hand-offs keep barrier-heavy kernels fast (a test may set
+    its own interval, as the attention tests do per case)."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(5e-5)
+    yield
+    sys.setswitchinterval(old)

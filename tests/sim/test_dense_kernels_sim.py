@@ -7,8 +7,6 @@ one Python thread per CUDA thread.
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 from numba import cuda
@@ -19,27 +17,9 @@ from vmmstream.kernels import elementwise, embedding, gemm, gemv, norm, rope, sa
 from vmmstream.kernels.dtypes import bf16_to_f32, f32_to_bf16
 from vmmstream.kernels.launch import vec8_ok
 
+from simutil import HALF_ULP, bf16, dev
+
 pytestmark = pytest.mark.sim
-
-HALF_ULP = 2.0 ** -8   # bf16 round-to-nearest: |round(v) - v| <= 2^-8 |v|
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _fast_thread_switching():
-    # One Python thread per CUDA thread plus a polling block manager: with the default 5 ms GIL switch
-    # interval every barrier costs milliseconds; a short interval makes the simulator ~5x faster.
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(5e-5)
-    yield
-    sys.setswitchinterval(old)
-
-
-def bf16(rng, shape, scale=1.0):
-    return f32_to_bf16((rng.standard_normal(shape) * scale).astype(np.float32))
-
-
-def dev(a):
-    return cuda.to_device(np.ascontiguousarray(a))
 
 
 def assert_bf16_close(got_bits, ref_f32, abs_tol):

@@ -12,8 +12,6 @@ propagated (as the dense gate/up test), and y against h as the kernel stored it 
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 from numba import cuda
@@ -23,25 +21,9 @@ from vmmstream.kernels import NONE, Lifetime, moe
 from vmmstream.kernels.dtypes import bf16_to_f32, f32_to_bf16
 from vmmstream.kernels.quant import dequantize_int4, dequantize_mxfp4
 
+from simutil import HALF_ULP, bf16, dev
+
 pytestmark = pytest.mark.sim
-
-HALF_ULP = 2.0 ** -8
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _fast_thread_switching():
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(5e-5)
-    yield
-    sys.setswitchinterval(old)
-
-
-def bf16(rng, shape, scale=1.0):
-    return f32_to_bf16((rng.standard_normal(shape) * scale).astype(np.float32))
-
-
-def dev(a):
-    return cuda.to_device(np.ascontiguousarray(a))
 
 
 def distinct_ids(rng, t, k, e):

@@ -15,8 +15,6 @@ accumulation only tips a rounding that lies within s of a tie).
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 from numba import cuda
@@ -27,22 +25,12 @@ from vmmstream.kernels.dtypes import bf16_to_f32, f32_to_bf16
 from vmmstream.kernels.quant import quantize_int4, quantize_mxfp4
 from vmmstream.kernels.workspace import ALIGN, align_up
 
+from simutil import dev
+
 pytestmark = pytest.mark.sim
 
 BF16_U = 2.0 ** -8     # bf16 round to nearest: |round(v) - v| <= 2^-8 |v|
 F32_U = 2.0 ** -24
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _fast_thread_switching():
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(5e-5)
-    yield
-    sys.setswitchinterval(old)
-
-
-def dev(a):
-    return cuda.to_device(np.ascontiguousarray(a))
 
 
 def make_case(seed, fmt, m, n, k, bias, scale_dtype=np.float16):

@@ -8,8 +8,6 @@ fp32 accumulation slack, 1e-5 · Σ|xᵢ·wᵢ| with w the dequantized weight.
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 from numba import cuda
@@ -18,21 +16,9 @@ from vmmstream.kernels import NONE, qgemv
 from vmmstream.kernels.dtypes import bf16_to_f32, f32_to_bf16
 from vmmstream.kernels.quant import dequantize_int4, dequantize_mxfp4, quantize_int4, quantize_mxfp4
 
+from simutil import HALF_ULP, dev
+
 pytestmark = pytest.mark.sim
-
-HALF_ULP = 2.0 ** -8
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _fast_thread_switching():
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(5e-5)
-    yield
-    sys.setswitchinterval(old)
-
-
-def dev(a):
-    return cuda.to_device(np.ascontiguousarray(a))
 
 
 def check(got_bits, wf, x, bias=None):

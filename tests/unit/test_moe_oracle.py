@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hf_oracle import build_reference
+from hf_oracle import build_reference, check_against_reference
 
 import vmmstream
 from vmmstream.driver.host import HostDriver
@@ -90,11 +90,7 @@ def test_moe_greedy_tokens_and_logits_match_transformers(reference, where):
         assert stats["expert_misses"] > 0 and (stats["expert_hits"] > 0) == (where == "experts")
         assert stats["expert_bytes_per_token"] == stats["experts_streamed_per_token"] * ep.unit_payload
         assert 0 < stats["experts_streamed_per_token"] <= ep.top_k * ep.layers
-    k = next((i for i, (a, b) in enumerate(zip(tokens, hf_tokens)) if a != b), NEW)
-    tol = ATOL_FRAC * np.abs(hf_logits).max(axis=1, keepdims=True)
-    err = np.abs(logits - hf_logits)[:k + 1]
-    assert np.all(err <= tol[:k + 1]), f"{arch}: worst step error {err.max():.4f} > tolerance {tol.min():.4f}"
-    assert k == NEW, f"{arch}: greedy tokens differ first at new token {k}"
+    check_against_reference(f"{arch}", tokens, logits, hf_tokens, hf_logits, ATOL_FRAC)
     assert len(set(hf_tokens)) > 3, "a trajectory, not a fixed point"
 
 
@@ -244,12 +240,7 @@ def test_quantized_moe_matches_transformers_on_dequantized_weights(tmp_path, whe
             stats = model.stats()
     finally:
         mem.close()
-    k = next((i for i, (a, b) in enumerate(zip(tokens, tokens_hf)) if a != b), NEW)
-    tol = ATOL_FRAC * np.abs(logits_hf).max(axis=1, keepdims=True)
-    err = np.abs(logits - logits_hf)[:k + 1]
-    assert np.all(err <= tol[:k + 1]), f"worst step error {err.max():.4f} > {tol.min():.4f}"
-    top2 = np.sort(logits_hf[min(k, NEW - 1)])[-2:]
-    assert k == NEW, f"tokens differ at {k}; reference margin {top2[1] - top2[0]:.4f}"
+    check_against_reference(f"mixtral/mxfp4/{where}", tokens, logits, tokens_hf, logits_hf, ATOL_FRAC)
     assert tokens == again
     assert (stats["expert_misses"] > 0) == (where == "experts")
     # on demand, the first call's routing counts re-chose the resident experts (automatically) before the second

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hf_oracle import build_reference
+from hf_oracle import build_reference, check_against_reference
 
 import vmmstream
 from vmmstream.driver.host import HostDriver
@@ -75,11 +75,7 @@ def test_quantized_greedy_tokens_and_logits_match_transformers_on_dequantized_we
     assert q["bytes_quantized"] < q["bytes_bf16"] / 3
     if where == "streamed":
         assert stats["measured_streamed_bytes_per_step"] == plan.streamed_bytes_per_token > 0
-    k = next((i for i, (a, b) in enumerate(zip(tokens, hf_tokens)) if a != b), NEW)
-    tol = ATOL_FRAC * np.abs(hf_logits).max(axis=1, keepdims=True)
-    err = np.abs(logits - hf_logits)[:k + 1]
-    assert np.all(err <= tol[:k + 1]), f"{arch}/{kind}: worst step error {err.max():.4f} > {tol.min():.4f}"
-    assert k == NEW, f"{arch}/{kind}: greedy tokens differ first at new token {k}"
+    check_against_reference(f"{arch}/{kind}", tokens, logits, hf_tokens, hf_logits, ATOL_FRAC)
 
 
 def test_quantization_changes_the_result(reference):
