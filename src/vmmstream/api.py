@@ -411,7 +411,7 @@ class Model:
             out.update({
                 "expert_hits": k["decode_hits"] + k["prefill_hits"],
                 "expert_misses": k["decode_misses"] + k["prefill_misses"],
-                "expert_hit_rate": ((k["decode_hits"] + k["prefill_hits"])
+                "expert_hit_rate": (1.0 if not ex.on_demand else (k["decode_hits"] + k["prefill_hits"])
                                     / max(1, sum(k[x] for x in ("decode_hits", "prefill_hits", "decode_misses",
                                                                 "prefill_misses")))),
                 "experts_resident": ex.n_pool, "expert_slots": ex.n_slots,

@@ -214,6 +214,8 @@ class HostOps:
                 for j, e in enumerate(away[i:i + n]):
                     ex.gather_host(j, (layer, e))
                     expert(ex.slot_views[j], e, ids, wts)
+            if not ex.on_demand:
+                return          # every expert resident: nothing to count (the CUDA path runs no gather either)
             if decode:          # the device counters, as the CUDA gather keeps them
                 ex.stats_dev[0] += len(here)
                 ex.stats_dev[1] += len(away)
@@ -314,7 +316,8 @@ class CudaOps:
 
     @staticmethod
     def _va(arr) -> int:
-        return int(arr.__cuda_array_interface__["data"][0])
+        from vmmstream.kernels.launch import data_ptr
+        return data_ptr(arr)
 
     # -- mixture of experts --
     def moe_route(self, s, logits, topk_ids, topk_w, norm: bool, counts=None, scoring=None):
@@ -367,7 +370,7 @@ class CudaOps:
         d = self.driver
         self.fill_zero(s, y)
         d.stream_synchronize(s)
-        ids = topk_ids.copy_to_host()
+        ids = self.to_host(topk_ids)
         routed = [int(e) for e in np.unique(ids)]
         k = ex.n_slots
         for i in range(0, len(routed), k):
@@ -384,7 +387,7 @@ class CudaOps:
                     ex.host_counters["prefill_bytes"] += ex.ep.unit_payload
                 m[ids == e] = j
             d.stream_synchronize(s)
-            mapped.copy_to_device(m)
+            self.to_device(mapped, m)
             self.moe_ffn(s, ex.stack("slots"), mapped, x, y, ws, k)
             d.stream_synchronize(s)         # the slots are refilled by the next round
         counts = ex.counts
