@@ -113,21 +113,22 @@ def test_quantized_cuda_step_matches_host(tmp_path, monkeypatch, kind):
     compare(host, sim)
 
 
-@pytest.mark.parametrize("where", ["resident", "on demand"])
-def test_moe_cuda_step_matches_host(tmp_path, monkeypatch, where):
+@pytest.mark.parametrize("where,quantize", [("resident", None), ("on demand", None), ("on demand", "mxfp4")])
+def test_moe_cuda_step_matches_host(tmp_path, monkeypatch, where, quantize):
     """Mixtral through the CUDA adapter: every expert resident (the layer's pool stack), or the dense part
     and some experts resident with the routed others gathered into the slots by the device-side gather inside
-    the decode graph (prefill: host-driven rounds)."""
+    the decode graph (prefill: host-driven rounds); and with MXFP4 experts (quantized strided stacks)."""
     cfg = config("MixtralForCausalLM", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                  norm_topk_prob=True)
     path = make_checkpoint(cfg, tmp_path, seed=7)
-    full = budgets(path)
+    full = budgets(path, quantize)
     ep = full.experts
     dense = full.weight_bytes - ep.total * ep.unit_bytes
     budget = (full.floor + full.weight_bytes if where == "resident"
               else full.floor + dense + (ep.top_k + 1) * ep.unit_bytes)
-    host = run(path, lambda _: budget, False, monkeypatch)
-    sim = run(path, lambda _: budget, True, monkeypatch)
+    host = run(path, lambda _: budget, False, monkeypatch, quantize=quantize)
+    sim = run(path, lambda _: budget, True, monkeypatch, quantize=quantize)
+    assert sim[2].quantization == quantize
     assert (sim[2].experts.slots == 0) == (where == "resident")
     compare(host, sim)
     for k in ("expert_hits", "expert_misses", "expert_bytes_per_token"):
