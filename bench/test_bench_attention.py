@@ -90,11 +90,14 @@ def sdpa_ms(q, k, v, causal, reps):
 
 # ---------------------------------------------------------------------------------------- decode
 
+@pytest.mark.parametrize("scatter", [False, True], ids=["butterfly", "scatter-sum"])
 @pytest.mark.parametrize("flat", [False, True], ids=["offsets", "flat-loads"])
 @pytest.mark.parametrize("S", [4096, 32768])
-def test_bench_decode(benchmark, monkeypatch, S, flat):
-    # FLAT_LOADS addresses K/V by a running element offset (128 registers instead of 168); both are measured.
+def test_bench_decode(benchmark, monkeypatch, S, flat, scatter):
+    # FLAT_LOADS addresses K/V by a running element offset (128 registers instead of 168); SCATTER_SUM sums the
+    # scores over a lane group by reduce-scatter + all-gather (about half the shuffles). Every pairing is measured.
     monkeypatch.setattr(ad, "FLAT_LOADS", flat)
+    monkeypatch.setattr(ad, "SCATTER_SUM", scatter)
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
     q = torch.randn(1, HQ, D, device=dev, generator=g).to(torch.bfloat16)
@@ -119,7 +122,7 @@ def test_bench_decode(benchmark, monkeypatch, S, flat):
         "S": S, "heads": f"{HQ}q/{HKV}kv", "head_dim": D, "splits": splits, "chunk": chunk,
         "us": ms * 1e3, "kv_bytes": kv_bytes, "bytes_moved": ad.bytes_moved(1, HQ, HKV, D, [S], S),
         "gbps_kv": gbps, "sdpa_us": sdpa * 1e3, "sdpa_gbps_kv": sdpa_gbps, "ratio_to_sdpa": gbps / sdpa_gbps,
-        "target_ratio": 0.8, "timing": how, "flat_loads": flat,
+        "target_ratio": 0.8, "timing": how, "flat_loads": flat, "scatter_sum": scatter,
     })
 
 
