@@ -86,14 +86,21 @@ def _rot_words(a, b, c0, s0, c1, s1):
 
 
 @cuda.jit(device=True, inline="always")
-def _rot8(arr, t, h, j, half, cs, sn):
-    # arr[t, h, j : j+8] pairs with arr[t, h, half+j : half+j+8]
+def _rot8_words(arr, t, h, j, half, cs, sn):
+    """arr[t, h, j : j+8] rotated with arr[t, h, half+j : half+j+8]: the 8 result words (4 + 4), rounded."""
     a0, a1, a2, a3 = ld8(arr, (t, h, j))
     b0, b1, b2, b3 = ld8(arr, (t, h, half + j))
     a0, b0 = _rot_words(a0, b0, cs[j], sn[j], cs[j + 1], sn[j + 1])
     a1, b1 = _rot_words(a1, b1, cs[j + 2], sn[j + 2], cs[j + 3], sn[j + 3])
     a2, b2 = _rot_words(a2, b2, cs[j + 4], sn[j + 4], cs[j + 5], sn[j + 5])
     a3, b3 = _rot_words(a3, b3, cs[j + 6], sn[j + 6], cs[j + 7], sn[j + 7])
+    return a0, a1, a2, a3, b0, b1, b2, b3
+
+
+@cuda.jit(device=True, inline="always")
+def _rot8(arr, t, h, j, half, cs, sn):
+    # arr[t, h, j : j+8] pairs with arr[t, h, half+j : half+j+8]
+    a0, a1, a2, a3, b0, b1, b2, b3 = _rot8_words(arr, t, h, j, half, cs, sn)
     st8(arr, (t, h, j), a0, a1, a2, a3)
     st8(arr, (t, h, half + j), b0, b1, b2, b3)
 
@@ -141,12 +148,7 @@ def _make(vec: int, threads: int):
 @cuda.jit(device=True, inline="always")
 def _rot8_to(arr, t, h, j, half, cs, sn, dst, p):
     """``_rot8``, also storing the rotated words at dst[p, h] (the KV cache row of position p)."""
-    a0, a1, a2, a3 = ld8(arr, (t, h, j))
-    b0, b1, b2, b3 = ld8(arr, (t, h, half + j))
-    a0, b0 = _rot_words(a0, b0, cs[j], sn[j], cs[j + 1], sn[j + 1])
-    a1, b1 = _rot_words(a1, b1, cs[j + 2], sn[j + 2], cs[j + 3], sn[j + 3])
-    a2, b2 = _rot_words(a2, b2, cs[j + 4], sn[j + 4], cs[j + 5], sn[j + 5])
-    a3, b3 = _rot_words(a3, b3, cs[j + 6], sn[j + 6], cs[j + 7], sn[j + 7])
+    a0, a1, a2, a3, b0, b1, b2, b3 = _rot8_words(arr, t, h, j, half, cs, sn)
     st8(arr, (t, h, j), a0, a1, a2, a3)
     st8(arr, (t, h, half + j), b0, b1, b2, b3)
     if p >= 0:

@@ -15,16 +15,11 @@ import pytest
 from vmmstream.kernels import elementwise, embedding, gemm, gemv, norm, rope, sampling, scalars
 from vmmstream.kernels.dtypes import bf16_to_f32, f32_to_bf16
 
+from gpuutil import HALF_ULP, get, to_dev
+
 pytestmark = pytest.mark.gpu
 
 H, I, V, HQ, HKV, D = 4096, 14336, 32000, 32, 8, 128
-HALF_ULP = 2.0 ** -8
-
-
-@pytest.fixture(scope="module")
-def stream():
-    from numba import cuda
-    return cuda.stream()
 
 
 @pytest.fixture(scope="module")
@@ -34,17 +29,6 @@ def rng():
 
 def bf16(rng, shape, scale=1.0):
     return f32_to_bf16(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale))
-
-
-def to_dev(a, stream):
-    from numba import cuda
-    return cuda.to_device(np.ascontiguousarray(a), stream=stream)
-
-
-def get(d, stream):
-    out = d.copy_to_host(stream=stream)
-    stream.synchronize()
-    return out
 
 
 def assert_bf16_close(got_bits, ref, slack):

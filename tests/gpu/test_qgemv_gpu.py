@@ -16,32 +16,16 @@ from vmmstream.kernels import qgemv
 from vmmstream.kernels.dtypes import bf16_to_f32, f32_to_bf16
 from vmmstream.kernels.quant import dequantize_int4, dequantize_mxfp4, quantize_int4, quantize_mxfp4
 
+from gpuutil import HALF_ULP, get, to_dev
+
 pytestmark = pytest.mark.gpu
 
 H, I = 4096, 14336
-HALF_ULP = 2.0 ** -8
-
-
-@pytest.fixture(scope="module")
-def stream():
-    from numba import cuda
-    return cuda.stream()
 
 
 @pytest.fixture(scope="module")
 def rng():
     return np.random.default_rng(2027)
-
-
-def to_dev(a, stream):
-    from numba import cuda
-    return cuda.to_device(np.ascontiguousarray(a), stream=stream)
-
-
-def get(d, stream):
-    out = d.copy_to_host(stream=stream)
-    stream.synchronize()
-    return out
 
 
 def assert_close(got_bits, wf, x, bias=None, rounded_ref=None):
