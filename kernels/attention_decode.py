@@ -42,22 +42,25 @@ HEAD_DIMS = (64, 128)
 MAX_GROUP = 8
 CAPTURE_SAFE = True      # device arrays only, length read on the device, grid fixed by S_max
 
-# pass 1 tuning. Swept on an H200 (32q/8kv heads, D=128, S=32768, CUDA graph of 20 calls; SDPA 37.5 us):
-#   WARPS/KEYS/PREFETCH/MIN_BLOCKS @ chunk -> us:  4/4/on/0 @1024 49.6 (default) | 4/4/on/0 @512 55.2 |
-#   4/4/on/0 @256 53.0 | 4/2/on/4 @512 53.1 | 4/2/on/4 @256 56.1 | 4/2/on/4 @1024 59.3 | 4/4/off/4 @512 51.7
-#   | 8/4/off/2 @1024 52.3 | 4/8/off/3 @512 65.7 | 2/2/on/8 @256 54.4. Pass 2 + its launch: ~4 us of the total.
+# pass 1 tuning. Swept on an H200 by scripts/sweep_decode.py (32q/8kv heads, D=128, a CUDA graph of 20 calls,
+# best of 5; SDPA 37.7 us at S=32768): warps/keys/prefetch/min-blocks/flat/scatter @ chunk -> us (of SDPA)
+#   4/4/on/0/-/- @1024 49.6 (0.76) | 4/4/on/0/flat/- @1024 50.0 | 4/4/on/0/flat/scatter @1024 50.3 |
+#   4/4/on/0/flat/scatter @512 53.7 | 4/4/on/4/flat/scatter @512 46.4 (0.81, 128 regs) |
+#   4/4/on/3/flat/scatter @672 45.1 (0.84: 49 splits x 8 heads = 392 blocks, one wave of 3 per SM) |
+#   8/4 54.5 | 4/2 @512 47.2 | 4/8 48.4 (254 regs) | prefetch off 58.6 | 2/4 51.3. The grid that fills one wave
+#   exactly is what matters most: ``plan`` sizes the chunk for it. Pass 2 + its launch: ~4 us of the total.
 WARPS = 4                # warps per pass-1 block
 KEYS = 4                 # keys per lane group per step: 2 * KEYS 16-byte loads per lane per step
 PREFETCH = True          # issue the next step's loads before using this step's (doubles the loads in flight)
-FLAT_LOADS = False       # K/V addresses as a running element offset: 128 registers instead of 168 and ~7%
-                         # fewer loop instructions (ptxas), GPU-untimed so far: see bench/_decode_sweep.py
-SCATTER_SUM = False      # dot products summed over the lane group by a reduce-scatter then an all-gather of the
+FLAT_LOADS = True        # K/V addresses as a running element offset (fewer loop instructions than 4-D indexing)
+SCATTER_SUM = True       # dot products summed over the lane group by a reduce-scatter then an all-gather of the
                          # U * G scores (~31 shuffles a step for G = 4, U = 4, D = 128) instead of a full
-                         # butterfly of every score (64); GPU-untimed so far
-MIN_BLOCKS = 0           # launch-bounds minimum of resident blocks per SM (0: let ptxas choose; 168 registers)
-CHUNKS = (1024, 512, 256, 128, 64)   # candidate keys per block, largest first
+                         # butterfly of every score (64)
+MIN_BLOCKS = 3           # launch-bounds minimum of resident blocks per SM (ptxas then keeps to 168 registers)
+CHUNK_STEP = 32          # a chunk is a multiple of this many keys (one block step at D = 128)
+CHUNK_MAX = 1024         # keys per block at most (more blocks than one wave: several waves of this size)
 SMS = 132                # an H200's SMs: a constant, so the plan (and the workspace) is portable
-RESIDENT_WARPS = 12 * SMS  # pass-1 warps resident at once with the settings above (168 registers a thread)
+RESIDENT_BLOCKS = MIN_BLOCKS * SMS   # pass-1 blocks resident at once with the settings above
 # pass 2
 C_THREADS = 512          # D / 4 dim lanes (4 dims each) x C_THREADS / (D / 4) split lanes
 C_UNROLL = 4             # splits per thread per step
@@ -93,16 +96,12 @@ def reference(q, k, v, seq_len, *, scale=None):
 
 def plan(B, Hkv, S_max, group):
     """(chunk, n_splits) at the capture-time bound S_max, so every length reuses one grid and workspace:
-    the smallest chunk of ``CHUNKS`` whose pass-1 grid fits in one wave of resident blocks (most warps in
-    flight, no second wave; what the sweep above favours), else the largest (fewest waves and partials).
+    as many splits as one wave of resident pass-1 blocks holds (``RESIDENT_BLOCKS`` over the B * Hkv
+    (sequence, KV head) pairs), the chunk rounded up to ``CHUNK_STEP`` keys and at most ``CHUNK_MAX``.
     ``group`` (Hq / Hkv) is accepted for the interface; the chunk does not depend on it."""
-    resident = max(1, RESIDENT_WARPS // WARPS)
-    for c in reversed(CHUNKS):
-        ns = -(-S_max // c)
-        if B * Hkv * ns <= resident:
-            return c, ns
-    c = CHUNKS[0]
-    return c, -(-S_max // c)
+    ns = max(1, RESIDENT_BLOCKS // max(1, B * Hkv))
+    chunk = min(CHUNK_MAX, -(-max(1, -(-S_max // ns)) // CHUNK_STEP) * CHUNK_STEP)
+    return chunk, -(-max(1, S_max) // chunk)
 
 
 def _layout(B, Hq, Hkv, D, S_max):

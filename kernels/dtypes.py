@@ -41,12 +41,21 @@ if config.ENABLE_CUDASIM:  # the simulator has no libdevice: reinterpret through
     @cuda.jit(device=True)
     def dev_f32_to_bf16(f):
         return f32_to_bf16(np.array([f], dtype=np.float32))[0]
+
+    @cuda.jit(device=True)
+    def as_f32(u):
+        return np.array([np.uint32(u)], dtype=np.uint32).view(np.float32)[0]
 else:
     from numba.cuda import libdevice
 
     @cuda.jit(device=True, inline=True)
     def dev_bf16_to_f32(u):
         return libdevice.int_as_float(np.int32(np.uint32(u) << np.uint32(16)))
+
+    @cuda.jit(device=True, inline=True)
+    def as_f32(u):
+        """The float32 whose bits are the uint32 ``u``."""
+        return libdevice.int_as_float(np.int32(np.uint32(u)))
 
     @cuda.jit(device=True, inline=True)
     def dev_f32_to_bf16(f):

@@ -11,9 +11,10 @@ Decode is memory-bound and W is 4 bits a value, so the work per byte is 4x the b
   that drain the loads in flight), transposed (``xs[b, i, c]`` = element i of chunk c) so that lanes
   reading consecutive chunks hit distinct banks; every warp of the block reuses it;
 - scales are read once per 16-byte chunk and row (int4: 4 chunks share a group; MXFP4: a chunk is a block);
-- int4 decode: a nibble q placed in the top mantissa bits of 1.0f gives 1 + q/16 with two integer ops;
-  subtracting 1 + zero/16 (exact) leaves (q - zero)/16, so the FMA sees the dequantized value / (16·scale);
-  the chunk's partial sum is multiplied by 16·scale once;
+- int4 decode: a nibble q shifted into the top mantissa bits of 1.0f gives f = 1 + q/16 (a shift and one
+  and-or: no conversion instruction), and the FMA accumulates f·x. The zero point comes out once per chunk
+  and row, not per value: Σ (q - zero)/16 · x = Σ f·x - (1 + zero/16) · Σ x, where Σ x over the chunk is
+  summed as x is read (shared by the warp's rows); the result is multiplied by 16·scale once;
 - MXFP4 decode: the 16 E2M1 values sit in a shared-memory table (distinct codes hit distinct banks);
   the chunk's partial sum is multiplied by the block scale 2^(e-127) (its bf16 bits are e << 7).
 K must be a multiple of the group (128 for int4, 32 for MXFP4); x must allow 16-byte loads (``vec8_ok``):
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
-from .dtypes import dev_bf16_to_f32, dev_f32_to_bf16, f32_to_bf16
+from .dtypes import as_f32, dev_bf16_to_f32, dev_f32_to_bf16, f32_to_bf16
 from .launch import SIM, as_stream, cdiv, check_threads, check_workspace, data_ptr, hi_f32, ld8_ro, lo_f32, \
     vec8_ok, warp_sum
 from .quant import INT4_GROUP, MX_BLOCK, dequantize_int4, dequantize_mxfp4
@@ -92,6 +93,7 @@ def _make(kind: int, nb: int, rpw: int, threads: int, has_bias: bool, kt: int):
         sc = cuda.local.array(rpw, np.float32)     # multiplier of the chunk's partial sum
         cz = cuda.local.array(rpw, np.float32)     # int4: 1 + zero / 16
         xv = cuda.local.array((nb, 8), np.float32)
+        xsum = cuda.local.array(nb, np.float32)    # int4: the chunk's sum of x per batch row
         for j in range(na):
             acc[j] = np.float32(0.0)
         for t0 in range(0, k, kt):
@@ -126,23 +128,30 @@ def _make(kind: int, nb: int, rpw: int, threads: int, has_bias: bool, kt: int):
                         sc[r] = dev_bf16_to_f32(np.uint32(scales[row, gc]) << np.uint32(7))
                 for j in range(na):
                     part[j] = np.float32(0.0)
+                for b in range(nb):
+                    xsum[b] = np.float32(0.0)
                 for q in range(4):                  # word q of the chunk: k = 32c + 8q + 0..7
                     for b in range(nb):
                         for j in range(8):
                             xv[b, j] = xs[b, 8 * q + j, c]
+                            if kind == INT4:
+                                xsum[b] += xv[b, j]
                     for r in range(rpw):
                         w = wd[r, q]
                         for j in range(8):
-                            nib = (w >> np.uint32(4 * j)) & np.uint32(0xF)
-                            if kind == INT4:
-                                v = dev_bf16_to_f32((nib << np.uint32(3)) | np.uint32(0x3F80)) - cz[r]
+                            if kind == INT4:   # bits of 1 + q/16: the nibble at mantissa bits 19..22
+                                v = as_f32((((w >> np.uint32(4 * j)) << np.uint32(19)) & np.uint32(0x00780000))
+                                           | np.uint32(0x3F800000))
                             else:
-                                v = lut[nib]
+                                v = lut[(w >> np.uint32(4 * j)) & np.uint32(0xF)]
                             for b in range(nb):
                                 part[r * nb + b] += v * xv[b, j]
                 for r in range(rpw):
                     for b in range(nb):
-                        acc[r * nb + b] += part[r * nb + b] * sc[r]
+                        if kind == INT4:
+                            acc[r * nb + b] += (part[r * nb + b] - cz[r] * xsum[b]) * sc[r]
+                        else:
+                            acc[r * nb + b] += part[r * nb + b] * sc[r]
         for r in range(rpw):
             for b in range(nb):
                 t = warp_sum(acc[r * nb + b])

@@ -4,7 +4,8 @@ non-default stream, against their NumPy references. Fails (never skips) without 
 Tolerances: the weight is the *dequantized* matrix (quantization error is not the kernel's, see
 tests/unit/test_quant.py); the bf16 output may differ from the unrounded fp64 reference by one rounding
 (2⁻⁸·|ref|) plus the fp32 accumulation slack 3e-5 · Σ|xᵢ·wᵢ|, as in test_dense_kernels_gpu.py. Against
-the rounded reference (``reference_int4`` / ``reference_mxfp4``) at most 1 bf16 step apart.
+the rounded reference (``reference_int4`` / ``reference_mxfp4``) at most 1 bf16 step apart where the
+accumulation slack is under half a step (a 4 x 14336 case with cancellation was 2 steps apart on the H200).
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ def assert_close(got_bits, wf, x, bias=None, rounded_ref=None):
     got = bf16_to_f32(got_bits).astype(np.float64)
     excess = np.abs(got - ref) - (2 * HALF_ULP * np.abs(ref) + slack)
     assert np.all(excess <= 0), f"max excess {excess.max():.3g}"
-    if rounded_ref is not None:
-        assert np.max(np.abs(got_bits.astype(np.int32) - rounded_ref.astype(np.int32))) <= 1
+    if rounded_ref is not None:   # where the accumulation slack is under half a step, at most one step apart
+        tight = slack < HALF_ULP * np.abs(ref)
+        assert tight.any()
+        assert np.max(np.abs(got_bits.astype(np.int32) - rounded_ref.astype(np.int32))[tight]) <= 1
 
 
 @pytest.mark.parametrize("n,k,b,bias,scale_dtype", [

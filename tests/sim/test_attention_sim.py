@@ -190,7 +190,7 @@ def test_decode_pass1_variants(switch_interval, monkeypatch, W, U, PF, FLAT, RS,
 def test_i7_decode_requirement_and_short_view():
     B, Hq, Hkv, D, S_max = 2, 4, 2, 64, 100
     chunk, ns = ad.plan(B, Hkv, S_max, Hq // Hkv)
-    assert (chunk, ns) == (64, 2)
+    assert (chunk, ns) == (32, 4)                  # the smallest chunk: 4 blocks of a wave of 396
     req = ad.workspace_requirement(B, Hq, Hkv, D, S_max)
     assert req.lifetime == Lifetime.SESSION
     assert req.bytes == 2 * align_up(B * Hq * ns * 4) + align_up(B * Hq * ns * D * 4)
@@ -205,12 +205,13 @@ def test_i7_decode_requirement_and_short_view():
 
 def test_decode_plan_fills_an_h200():
     # 32 query / 8 KV heads: one wave of resident pass-1 blocks at S_max (the capture bound), not at the
-    # length; the split count follows S_max
-    resident = ad.RESIDENT_WARPS // ad.WARPS
-    for S_max in (4096, 32768):
-        chunk, ns = ad.plan(1, 8, S_max, 4)
-        assert chunk in ad.CHUNKS and ns == -(-S_max // chunk)
-        assert 8 * ns <= resident or chunk == ad.CHUNKS[0]
-        assert all(8 * -(-S_max // c) > resident for c in ad.CHUNKS if c < chunk)
+    # length; the split count follows S_max. S=32768 gives the swept best, 672 keys x 49 splits.
+    assert ad.plan(1, 8, 32768, 4) == (672, 49)
+    for B, S_max in ((1, 4096), (1, 32768), (2, 1000), (1, 7), (64, 32768)):
+        chunk, ns = ad.plan(B, 8, S_max, 4)
+        assert chunk % ad.CHUNK_STEP == 0 and chunk <= ad.CHUNK_MAX and ns == -(-S_max // chunk)
+        assert B * 8 * ns <= ad.RESIDENT_BLOCKS or chunk == ad.CHUNK_MAX          # one wave, or the largest chunk
+        smaller = chunk - ad.CHUNK_STEP                                           # a smaller chunk overfills it
+        assert smaller == 0 or B * 8 * -(-S_max // smaller) > ad.RESIDENT_BLOCKS
     assert ad.plan(1, 8, 32768, 8) == ad.plan(1, 8, 32768, 4)
     assert ad.flops(1, 32, 128, [100]) == 4 * 128 * 32 * 100
