@@ -32,7 +32,8 @@ def _quantized(kind, seed=0):
     return w, (quantize_int4(w) if kind == "int4" else quantize_mxfp4(w))
 
 
-def test_bench_qgemv_int4_vs_tinygemm(benchmark, copy_ceiling):
+@pytest.mark.parametrize("route", ["simt", "mma"])
+def test_bench_qgemv_int4_vs_tinygemm(benchmark, copy_ceiling, route):
     torch = _torch()
     from vmmstream.kernels import qgemv
     _, qw = _quantized("int4")
@@ -40,7 +41,8 @@ def test_bench_qgemv_int4_vs_tinygemm(benchmark, copy_ceiling):
     out = torch.empty(1, I, device="cuda", dtype=torch.bfloat16)
     parts = [torch.from_numpy(np.ascontiguousarray(a)).cuda() for a in qw]
     dparts = [nb(p) for p in parts]
-    t = device_seconds(capture(lambda s: qgemv.qgemv_int4(*dparts, nb(x), nb(out), stream=s)), benchmark)
+    cfg = qgemv.QgemvConfig(route=route)
+    t = device_seconds(capture(lambda s: qgemv.qgemv_int4(*dparts, nb(x), nb(out), stream=s, config=cfg)), benchmark)
     # tinygemm: the same nibbles repacked its way, bf16 scale-and-zero [K/128, N, 2]
     wp = torch._convert_weight_to_int4pack(parts[0], 8)
     sz = torch.randn(H // 128, I, 2, device="cuda", dtype=torch.bfloat16)
@@ -48,7 +50,8 @@ def test_bench_qgemv_int4_vs_tinygemm(benchmark, copy_ceiling):
     nbytes = sum(a.nbytes for a in qw) + 2 * H + 2 * I
     info = record(benchmark, seconds=t, nbytes=nbytes, ceiling_gbps=copy_ceiling["torch_gbps"], ratio=t / t_tg,
                   bar=INT4_BAR, op="le", tinygemm_us=t_tg * 1e6)
-    print(f"\nqgemv int4 {info['device_us']:.1f} us vs tinygemm {t_tg * 1e6:.1f} us: ratio {t / t_tg:.3f}")
+    benchmark.extra_info["route"] = route
+    print(f"\nqgemv int4 ({route}) {info['device_us']:.1f} us vs tinygemm {t_tg * 1e6:.1f} us: ratio {t / t_tg:.3f}")
 
 
 def test_bench_qgemv_mxfp4_bandwidth(benchmark, copy_ceiling):

@@ -79,6 +79,13 @@ if config.ENABLE_CUDASIM:
         """Two fp32 -> one uint32 of two bf16 (round to nearest even), ``lo`` in the low half."""
         return np.uint32(dev_f32_to_bf16(lo)) | (np.uint32(dev_f32_to_bf16(hi)) << np.uint32(16))
 
+    @cuda.jit(device=True, inline="always")
+    def fma_bf16x2(a, b, c):
+        """Packed bf16 a * b + c per half (each half rounded to bf16), as ``fma.rn.bf16x2``."""
+        lo = bf16_lo(a) * bf16_lo(b) + bf16_lo(c)
+        hi = bf16_hi(a) * bf16_hi(b) + bf16_hi(c)
+        return pack_bf16x2(lo, hi)
+
     # Where each lane's fragment registers sit in the 16x16 A, 16x8 B and 16x8 C tiles (layouts above):
     # index [lane, register, half] for A and B, [lane, register] for C.
     _g, _t = (np.arange(32) >> 2)[:, None, None], (np.arange(32) & 3)[:, None, None]
@@ -171,6 +178,21 @@ else:
     @cuda.jit(device=True, inline="always")
     def pack_bf16x2(lo, hi):
         return _cvt_bf16x2(np.float32(hi), np.float32(lo))
+
+    @intrinsic
+    def _fma_bf16x2(typingctx, a, b, c):
+        sig = types.uint32(types.uint32, types.uint32, types.uint32)
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i32] * 3), "fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r")
+            return builder.call(asm, list(args))
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline="always")
+    def fma_bf16x2(a, b, c):
+        return _fma_bf16x2(np.uint32(a), np.uint32(b), np.uint32(c))
 
     @intrinsic
     def _mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):

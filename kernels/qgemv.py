@@ -46,6 +46,7 @@ class QgemvConfig:
     rows_per_warp: int = 4
     batch_tile: int = 0      # 0: pick from B (1, 2 or 4)
     tile_k: int = 0          # 0: SMEM_X // batch_tile; else a multiple of 32 (tests use small tiles)
+    route: str = "simt"      # int4 only: "mma" runs kernels/qgemv_mma.py (tensor cores; integer zero points)
 
 
 if SIM:
@@ -204,7 +205,14 @@ def _launch(name, kind, packed, scales, zeros, x, out, bias, workspace, stream, 
     if not vec8_ok(x) or packed.strides[1] != 1 or packed.strides[0] % 16 or data_ptr(packed) % 16:
         raise ValueError(f"{name}: packed weights and x must be contiguous rows on 16-byte boundaries "
                          "(16-byte loads; there is no scalar path)")
-    threads, rpw, nb, kt = _auto(b, config or QgemvConfig())
+    cfg = config or QgemvConfig()
+    if cfg.route not in ("simt", "mma") or (cfg.route == "mma" and kind != INT4):
+        raise ValueError(f"{name}: route must be 'simt', or 'mma' for int4; got {cfg.route!r}")
+    if cfg.route == "mma":
+        from . import qgemv_mma
+        qgemv_mma.launch(packed, scales, zeros, x, out, bias, as_stream(stream))
+        return
+    threads, rpw, nb, kt = _auto(b, cfg)
     kern = _make(kind, nb, rpw, threads, bias is not None, kt)
     kern[(cdiv(n, (threads // 32) * rpw), cdiv(b, nb)), threads, as_stream(stream)](
         packed, scales, scales if zeros is None else zeros, x, x if bias is None else bias, out, n, b, k)

@@ -112,3 +112,25 @@ def test_qgemv_declares_no_workspace():
     assert qgemv.bytes_moved(n, k, kind="int4") == n * k // 2 + 4 * n * k // 128 + 2 * k + 2 * n
     assert qgemv.bytes_moved(n, k, kind="mxfp4") == n * k // 2 + n * k // 32 + 2 * k + 2 * n
     assert qgemv.flops(n, k, 2) == 4 * n * k
+
+
+@pytest.mark.parametrize("n,k,b,bias,scale_dtype", [
+    (20, 640, 1, True, np.float16),    # 5 groups over 4 warps (one warp idles in its second round), two row tiles
+    (9, 256, 10, False, np.float32),   # batch 10: two column tiles of 8, the second clamped; N < 16
+])
+def test_qgemv_int4_mma_route_matches_reference(n, k, b, bias, scale_dtype):
+    """The tensor-core route (kernels/qgemv_mma.py): packed bf16 pairs of nibbles (j, j + 4), zero point
+    taken off by the packed fma, the mma emulated lane by lane with the PTX fragment layouts."""
+    rng = np.random.default_rng(n * k + b + 7)
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    qw = quantize_int4(w, scale_dtype=scale_dtype)
+    x = make_x(rng, b, k)
+    bb = f32_to_bf16(rng.standard_normal(n).astype(np.float32)) if bias else None
+    out = cuda.device_array((b, n), np.uint16)
+    qgemv.qgemv_int4(dev(qw.packed), dev(qw.scales), dev(qw.zeros), dev(x), out,
+                     bias=None if bb is None else dev(bb), config=qgemv.QgemvConfig(route="mma"))
+    got = out.copy_to_host()
+    check(got, dequantize_int4(*qw), x, bb)
+    assert np.all(np.abs(got.astype(np.int32) - qgemv.reference_int4(*qw, x, bb).astype(np.int32)) <= 1)
+    with pytest.raises(ValueError, match="route"):
+        qgemv.qgemv_mxfp4(*(dev(a) for a in quantize_mxfp4(w)), dev(x), out, config=qgemv.QgemvConfig(route="mma"))

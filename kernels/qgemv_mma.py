@@ -1,0 +1,153 @@
+"""int4 decode GEMV on tensor cores: y[B, N] = x[B, K] · W[N, K]ᵀ (+ bias), W int4 group-wise
+(``kernels/quant.py``), one ``mma.sync.m16n8k16`` bf16 per 16 × 16 slice, fp32 accumulation.
+
+The scalar route (``kernels/qgemv.py``) spends several integer and float instructions per 4-bit value;
+here two values become one packed bf16 pair with a shift and one and-or, and a packed ``fma.rn.bf16x2``
+takes the zero point off exactly, so the tensor core does the multiply-adds:
+
+- a block is 4 warps over 16 rows of W and 8 columns of x (the batch; B = 1 leaves 7 idle); warp w takes
+  the int4 groups w, w + 4, ... and the warps' partial sums meet in shared memory at the end;
+- lane (g, t) = (lane / 4, lane % 4) loads one 16-byte chunk (32 values) of rows g and g + 8 per group:
+  values 32t .. 32t + 31 of the group. The mma's k order inside a 16-wide step is free as long as the
+  A and B fragments agree: the step pairs nibbles (j, j + 4) of a 32-bit word, which a shift and the
+  mask 0x000F000F put in the low bits of two bf16 halves of 128.0 (``| 0x43004300``); fma with 1.0 and
+  −(128 + zero) leaves q − zero exactly (integers below 256 are exact in bf16). x's pair
+  (x[j], x[j + 4]) is assembled from two loaded words the same way;
+- each group's D is scaled by that row's group scale once and added to the fp32 accumulators.
+
+Contract beyond the scalar route's: zero points are integers in [0, 15] (``quantize_int4`` makes them so;
+a fractional zero would be rounded to bf16). Capture-safe; no workspace.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import cuda, float32, uint32
+
+from . import mma_helpers as mh
+from .dtypes import dev_bf16_to_f32, dev_f32_to_bf16
+from .launch import ld8_ro
+from .workspace import NONE
+
+CAPTURE_SAFE = True      # no allocation, no synchronize, device arrays only
+W = mh.WARPS             # warps per block (the simulator's mma scratch is sized for it)
+ROWS, COLS = 16, 8       # rows of W and columns of x per block
+GROUP = 128
+
+
+@functools.lru_cache(maxsize=None)
+def make(has_bias: bool):
+    from .qgemv import _ld16_ro
+    MS0, MS1 = mh.SIM_MMA_SCRATCH          # simulator-only scratch (1 x 1 on the GPU)
+
+    @mh.kernel(mh.THREADS)
+    def qgemv_int4_mma(packed, scales, zeros, x, bias, y, n_rows, n_batch, k):
+        # packed [N, K/2] u8; scales, zeros [N, K/128] f16|f32; x [B, K] bf16; bias [N] bf16; y [B, N] bf16
+        # grid (ceil(N / 16), ceil(B / 8)); block 128
+        tid = cuda.threadIdx.x
+        lane, wid = tid % 32, tid // 32
+        g, t = lane // 4, lane % 4
+        row0 = cuda.blockIdx.x * ROWS
+        col0 = cuda.blockIdx.y * COLS
+        ra = min(row0 + g, n_rows - 1)
+        rb = min(row0 + g + 8, n_rows - 1)
+        xc = col0 + g
+        xr = min(xc, n_batch - 1)
+        scratch = cuda.shared.array((MS0, MS1), np.float64)
+        red = cuda.shared.array((W, 32, 4), np.float32)
+        wa = cuda.local.array(4, uint32)
+        wb = cuda.local.array(4, uint32)
+        xw = cuda.local.array(16, uint32)
+        ng = k // GROUP
+        one = uint32(0x3F803F80)                 # bf16 pair (1.0, 1.0)
+        magic = uint32(0x43004300)               # bf16 pair (128.0, 128.0): a nibble in the low bits adds q
+        lo16, hi16, nib2 = uint32(0xFFFF), uint32(0xFFFF0000), uint32(0x000F000F)
+        acc0 = acc1 = acc2 = acc3 = float32(0.0)
+        for it in range((ng + W - 1) // W):      # the same trip count in every warp (the mma is warp-wide)
+            gi = it * W + wid
+            gc = min(gi, ng - 1)
+            wa[0], wa[1], wa[2], wa[3] = _ld16_ro(packed, (ra, gc * 64 + 16 * t))
+            wb[0], wb[1], wb[2], wb[3] = _ld16_ro(packed, (rb, gc * 64 + 16 * t))
+            use_x = gi < ng and xc < n_batch
+            for om in range(4):
+                x0, x1, x2, x3 = ld8_ro(x, (xr, gc * GROUP + 32 * t + 8 * om))
+                if not use_x:
+                    x0 = x1 = x2 = x3 = uint32(0)
+                xw[4 * om], xw[4 * om + 1], xw[4 * om + 2], xw[4 * om + 3] = x0, x1, x2, x3
+            za = float32(zeros[ra, gc]) + float32(128.0)
+            zb = float32(zeros[rb, gc]) + float32(128.0)
+            ca = mh.pack_bf16x2(-za, -za)
+            cb = mh.pack_bf16x2(-zb, -zb)
+            d0 = d1 = d2 = d3 = float32(0.0)
+            for om in range(4):                  # word om of the chunk: values 8 om .. 8 om + 7
+                for h in range(2):               # k-step: pairs j = 2h (a0, a1, b0) and 2h + 1 (a2, a3, b1)
+                    xa = xw[4 * om + h]          # (x[2h], x[2h + 1])
+                    xb = xw[4 * om + 2 + h]      # (x[2h + 4], x[2h + 5])
+                    b0 = (xa & lo16) | (xb << uint32(16))          # (x[2h], x[2h + 4])
+                    b1 = (xa >> uint32(16)) | (xb & hi16)          # (x[2h + 1], x[2h + 5])
+                    s0 = uint32(8 * h)
+                    s1 = uint32(8 * h + 4)
+                    a0 = mh.fma_bf16x2(((wa[om] >> s0) & nib2) | magic, one, ca)
+                    a2 = mh.fma_bf16x2(((wa[om] >> s1) & nib2) | magic, one, ca)
+                    a1 = mh.fma_bf16x2(((wb[om] >> s0) & nib2) | magic, one, cb)
+                    a3 = mh.fma_bf16x2(((wb[om] >> s1) & nib2) | magic, one, cb)
+                    d0, d1, d2, d3 = mh.mma_bf16_16816(a0, a1, a2, a3, b0, b1, d0, d1, d2, d3, scratch)
+            sa = float32(scales[ra, gc])
+            sb = float32(scales[rb, gc])
+            acc0 += d0 * sa
+            acc1 += d1 * sa
+            acc2 += d2 * sb
+            acc3 += d3 * sb
+        red[wid, lane, 0] = acc0
+        red[wid, lane, 1] = acc1
+        red[wid, lane, 2] = acc2
+        red[wid, lane, 3] = acc3
+        cuda.syncthreads()
+        if wid == 0:
+            for i in range(4):                   # D: (row g | g + 8) x (col 2t | 2t + 1)
+                v = red[0, lane, i]
+                for w in range(1, W):
+                    v += red[w, lane, i]
+                row = row0 + g + 8 * (i // 2)
+                col = col0 + 2 * t + (i % 2)
+                if row < n_rows and col < n_batch:
+                    if has_bias:
+                        v += dev_bf16_to_f32(bias[row])
+                    y[col, row] = dev_f32_to_bf16(v)
+
+    return qgemv_int4_mma
+
+
+def launch(packed, scales, zeros, x, out, bias, stream):
+    """Shapes checked by ``qgemv._launch``; x, out 2-D."""
+    n, b, k = packed.shape[0], x.shape[0], 2 * packed.shape[1]
+    kern = make(bias is not None)
+    kern[(-(-n // ROWS), -(-b // COLS)), mh.THREADS, stream](
+        packed, scales, zeros, x, x if bias is None else bias, out, n, b, k)
+
+
+def workspace_requirement(n: int, k: int, batch: int = 1):
+    """No scratch: the warps' partial sums meet in shared memory."""
+    return NONE
+
+
+def bytes_moved(n: int, k: int, batch: int = 1, *, scale_itemsize: int = 2, bias: bool = False) -> int:
+    """HBM bytes: packed W, scales and zeros once per column tile of 8, x, bf16 out, bias."""
+    w = n * k // 2 + 2 * n * (k // GROUP) * scale_itemsize
+    return w * -(-batch // COLS) + 2 * batch * k + 2 * batch * n + (2 * n if bias else 0)
+
+
+def flops(n: int, k: int, batch: int = 1) -> int:
+    """Useful multiply-adds (the tensor core also multiplies the padding columns)."""
+    return 2 * n * k * batch
+
+
+def _sig(scale_t: str, has_bias: bool) -> str:
+    bias_t = "uint16[::1]" if has_bias else "uint16[:, ::1]"
+    s = f"{scale_t}[:, ::1]"
+    return f"void(uint8[:, ::1], {s}, {s}, uint16[:, ::1], {bias_t}, uint16[:, ::1], int64, int64, int64)"
+
+
+SIGNATURES = [(make(hb).py_func, _sig(st, hb)) for st, hb in (("float16", False), ("float16", True), ("float32", False))]
