@@ -54,19 +54,22 @@ def test_bench_qgemv_int4_vs_tinygemm(benchmark, copy_ceiling, route):
     print(f"\nqgemv int4 ({route}) {info['device_us']:.1f} us vs tinygemm {t_tg * 1e6:.1f} us: ratio {t / t_tg:.3f}")
 
 
-def test_bench_qgemv_mxfp4_bandwidth(benchmark, copy_ceiling):
+@pytest.mark.parametrize("route", ["simt", "mma"])
+def test_bench_qgemv_mxfp4_bandwidth(benchmark, copy_ceiling, route):
     torch = _torch()
     from vmmstream.kernels import qgemv
     _, qw = _quantized("mxfp4")
     x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(1, I, device="cuda", dtype=torch.bfloat16)
     dparts = [nb(torch.from_numpy(np.ascontiguousarray(a)).cuda()) for a in qw]
-    t = device_seconds(capture(lambda s: qgemv.qgemv_mxfp4(*dparts, nb(x), nb(out), stream=s)), benchmark)
+    cfg = qgemv.QgemvConfig(route=route)
+    t = device_seconds(capture(lambda s: qgemv.qgemv_mxfp4(*dparts, nb(x), nb(out), stream=s, config=cfg)), benchmark)
+    benchmark.extra_info["route"] = route
     nbytes = sum(a.nbytes for a in qw) + 2 * H + 2 * I
     ceil = copy_ceiling["torch_gbps"]
     info = record(benchmark, seconds=t, nbytes=nbytes, ceiling_gbps=ceil, ratio=nbytes / t / 1e9 / ceil,
                   bar=MX_BAR, op="ge")
-    print(f"\nqgemv mxfp4 {info['device_us']:.1f} us, {info['GB/s']:.0f} GB/s = {info['ratio']:.2f} of copy")
+    print(f"\nqgemv mxfp4 ({route}) {info['device_us']:.1f} us, {info['GB/s']:.0f} GB/s = {info['ratio']:.2f} of copy")
 
 
 def test_bench_moe_decode_layer_vs_torch_loop(benchmark):

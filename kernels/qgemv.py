@@ -46,7 +46,7 @@ class QgemvConfig:
     rows_per_warp: int = 4
     batch_tile: int = 0      # 0: pick from B (1, 2 or 4)
     tile_k: int = 0          # 0: SMEM_X // batch_tile; else a multiple of 32 (tests use small tiles)
-    route: str = "simt"      # int4 only: "mma" runs kernels/qgemv_mma.py (tensor cores; integer zero points)
+    route: str = "simt"      # "mma": kernels/qgemv_mma.py (tensor cores; K a multiple of 128, int4 zero points integers)
 
 
 if SIM:
@@ -206,11 +206,11 @@ def _launch(name, kind, packed, scales, zeros, x, out, bias, workspace, stream, 
         raise ValueError(f"{name}: packed weights and x must be contiguous rows on 16-byte boundaries "
                          "(16-byte loads; there is no scalar path)")
     cfg = config or QgemvConfig()
-    if cfg.route not in ("simt", "mma") or (cfg.route == "mma" and kind != INT4):
-        raise ValueError(f"{name}: route must be 'simt', or 'mma' for int4; got {cfg.route!r}")
+    if cfg.route not in ("simt", "mma"):
+        raise ValueError(f"{name}: route must be 'simt' or 'mma', got {cfg.route!r}")
     if cfg.route == "mma":
         from . import qgemv_mma
-        qgemv_mma.launch(packed, scales, zeros, x, out, bias, as_stream(stream))
+        qgemv_mma.launch(kind, packed, scales, zeros, x, out, bias, as_stream(stream))
         return
     threads, rpw, nb, kt = _auto(b, cfg)
     kern = _make(kind, nb, rpw, threads, bias is not None, kt)

@@ -38,14 +38,15 @@ GROUP = 128
 
 
 @functools.lru_cache(maxsize=None)
-def make(has_bias: bool):
-    from .qgemv import _ld16_ro
+def make(kind: int, has_bias: bool):
+    from .qgemv import INT4, _ld16_ro
     MS0, MS1 = mh.SIM_MMA_SCRATCH          # simulator-only scratch (1 x 1 on the GPU)
+    is_int4 = kind == INT4
 
     @mh.kernel(mh.THREADS)
-    def qgemv_int4_mma(packed, scales, zeros, x, bias, y, n_rows, n_batch, k):
-        # packed [N, K/2] u8; scales, zeros [N, K/128] f16|f32; x [B, K] bf16; bias [N] bf16; y [B, N] bf16
-        # grid (ceil(N / 16), ceil(B / 8)); block 128
+    def qgemv_q4_mma(packed, scales, zeros, x, bias, y, n_rows, n_batch, k):
+        # packed [N, K/2] u8; int4: scales, zeros [N, K/128] f16|f32; mxfp4: scales [N, K/32] u8 (E8M0),
+        # zeros ignored; x [B, K] bf16; bias [N] bf16; y [B, N] bf16. grid (ceil(N / 16), ceil(B / 8)); block 128
         tid = cuda.threadIdx.x
         lane, wid = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
@@ -63,6 +64,7 @@ def make(has_bias: bool):
         ng = k // GROUP
         one = uint32(0x3F803F80)                 # bf16 pair (1.0, 1.0)
         magic = uint32(0x43004300)               # bf16 pair (128.0, 128.0): a nibble in the low bits adds q
+        norm = uint32(0x7E807E80)                # bf16 pair (2^126, 2^126)
         lo16, hi16, nib2 = uint32(0xFFFF), uint32(0xFFFF0000), uint32(0x000F000F)
         acc0 = acc1 = acc2 = acc3 = float32(0.0)
         for it in range((ng + W - 1) // W):      # the same trip count in every warp (the mma is warp-wide)
@@ -76,10 +78,18 @@ def make(has_bias: bool):
                 if not use_x:
                     x0 = x1 = x2 = x3 = uint32(0)
                 xw[4 * om], xw[4 * om + 1], xw[4 * om + 2], xw[4 * om + 3] = x0, x1, x2, x3
-            za = float32(zeros[ra, gc]) + float32(128.0)
-            zb = float32(zeros[rb, gc]) + float32(128.0)
-            ca = mh.pack_bf16x2(-za, -za)
-            cb = mh.pack_bf16x2(-zb, -zb)
+            if is_int4:                          # c: -(128 + zero) per row, the D scale after the group
+                za = float32(zeros[ra, gc]) + float32(128.0)
+                zb = float32(zeros[rb, gc]) + float32(128.0)
+                ca = mh.pack_bf16x2(-za, -za)
+                cb = mh.pack_bf16x2(-zb, -zb)
+            else:                                # c: the lane's E8M0 block scale 2^(e - 127) as a bf16 pair
+                ea = uint32(scales[ra, 4 * gc + t])
+                eb = uint32(scales[rb, 4 * gc + t])
+                ea = uint32(0x40) if ea == 0 else ea << uint32(7)      # e = 0: 2^-127, a bf16 subnormal
+                eb = uint32(0x40) if eb == 0 else eb << uint32(7)
+                ca = ea | (ea << uint32(16))
+                cb = eb | (eb << uint32(16))
             d0 = d1 = d2 = d3 = float32(0.0)
             for om in range(4):                  # word om of the chunk: values 8 om .. 8 om + 7
                 for h in range(2):               # k-step: pairs j = 2h (a0, a1, b0) and 2h + 1 (a2, a3, b1)
@@ -89,17 +99,29 @@ def make(has_bias: bool):
                     b1 = (xa >> uint32(16)) | (xb & hi16)          # (x[2h + 1], x[2h + 5])
                     s0 = uint32(8 * h)
                     s1 = uint32(8 * h + 4)
-                    a0 = mh.fma_bf16x2(((wa[om] >> s0) & nib2) | magic, one, ca)
-                    a2 = mh.fma_bf16x2(((wa[om] >> s1) & nib2) | magic, one, ca)
-                    a1 = mh.fma_bf16x2(((wb[om] >> s0) & nib2) | magic, one, cb)
-                    a3 = mh.fma_bf16x2(((wb[om] >> s1) & nib2) | magic, one, cb)
+                    if is_int4:
+                        a0 = mh.fma_bf16x2(((wa[om] >> s0) & nib2) | magic, one, ca)
+                        a2 = mh.fma_bf16x2(((wa[om] >> s1) & nib2) | magic, one, ca)
+                        a1 = mh.fma_bf16x2(((wb[om] >> s0) & nib2) | magic, one, cb)
+                        a3 = mh.fma_bf16x2(((wb[om] >> s1) & nib2) | magic, one, cb)
+                    else:
+                        a0 = _e2m1_pair((wa[om] >> s0) & nib2, norm, ca)
+                        a2 = _e2m1_pair((wa[om] >> s1) & nib2, norm, ca)
+                        a1 = _e2m1_pair((wb[om] >> s0) & nib2, norm, cb)
+                        a3 = _e2m1_pair((wb[om] >> s1) & nib2, norm, cb)
                     d0, d1, d2, d3 = mh.mma_bf16_16816(a0, a1, a2, a3, b0, b1, d0, d1, d2, d3, scratch)
-            sa = float32(scales[ra, gc])
-            sb = float32(scales[rb, gc])
-            acc0 += d0 * sa
-            acc1 += d1 * sa
-            acc2 += d2 * sb
-            acc3 += d3 * sb
+            if is_int4:
+                sa = float32(scales[ra, gc])
+                sb = float32(scales[rb, gc])
+                acc0 += d0 * sa
+                acc1 += d1 * sa
+                acc2 += d2 * sb
+                acc3 += d3 * sb
+            else:
+                acc0 += d0
+                acc1 += d1
+                acc2 += d2
+                acc3 += d3
         red[wid, lane, 0] = acc0
         red[wid, lane, 1] = acc1
         red[wid, lane, 2] = acc2
@@ -117,15 +139,26 @@ def make(has_bias: bool):
                         v += dev_bf16_to_f32(bias[row])
                     y[col, row] = dev_f32_to_bf16(v)
 
-    return qgemv_int4_mma
+    return qgemv_q4_mma
 
 
-def launch(packed, scales, zeros, x, out, bias, stream):
-    """Shapes checked by ``qgemv._launch``; x, out 2-D."""
+@cuda.jit(device=True, inline="always")
+def _e2m1_pair(p, norm, scale):
+    """Two E2M1 codes (s e1 e0 m) in bits 0..3 and 16..19 of ``p`` -> a bf16 pair of value * scale: the
+    e1 e0 m bits go to bf16 bits 8..6 (exponent 0..3, top mantissa bit: value * 2^-126, e = 0 a subnormal),
+    the sign to bit 15; one packed fma by 2^126 makes it exact, a second by the block scale."""
+    raw = ((p << uint32(6)) & uint32(0x01C001C0)) | ((p << uint32(12)) & uint32(0x80008000))
+    return mh.fma_bf16x2(mh.fma_bf16x2(raw, norm, uint32(0)), scale, uint32(0))
+
+
+def launch(kind, packed, scales, zeros, x, out, bias, stream):
+    """Shapes checked by ``qgemv._launch``; x, out 2-D; ``zeros`` None for MXFP4."""
     n, b, k = packed.shape[0], x.shape[0], 2 * packed.shape[1]
-    kern = make(bias is not None)
+    if k % GROUP:
+        raise ValueError(f"the mma route takes K in multiples of {GROUP}, got {k}")
+    kern = make(kind, bias is not None)
     kern[(-(-n // ROWS), -(-b // COLS)), mh.THREADS, stream](
-        packed, scales, zeros, x, x if bias is None else bias, out, n, b, k)
+        packed, scales, scales if zeros is None else zeros, x, x if bias is None else bias, out, n, b, k)
 
 
 def workspace_requirement(n: int, k: int, batch: int = 1):
@@ -150,4 +183,10 @@ def _sig(scale_t: str, has_bias: bool) -> str:
     return f"void(uint8[:, ::1], {s}, {s}, uint16[:, ::1], {bias_t}, uint16[:, ::1], int64, int64, int64)"
 
 
-SIGNATURES = [(make(hb).py_func, _sig(st, hb)) for st, hb in (("float16", False), ("float16", True), ("float32", False))]
+def _signatures():
+    from .qgemv import INT4, MXFP4
+    return ([(make(INT4, hb).py_func, _sig(st, hb)) for st, hb in (("float16", False), ("float16", True), ("float32", False))]
+            + [(make(MXFP4, hb).py_func, _sig("uint8", hb)) for hb in (False, True)])
+
+
+SIGNATURES = _signatures()

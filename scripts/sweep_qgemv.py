@@ -1,6 +1,5 @@
-"""Sweep the quantized GEMVs' launch shape on a GPU: threads per block and rows per warp, int4 and MXFP4
-(and int4's tensor-core route),
-1×4096 · [14336, 4096]. Each setting is timed as 20 launches captured in one CUDA graph, CUDA events around
+"""Sweep the quantized GEMVs' launch shape on a GPU: threads per block and rows per warp, int4 and MXFP4,
+and the tensor-core route, 1×4096 · [14336, 4096]. Each setting is timed as 20 launches captured in one CUDA graph, CUDA events around
 a replay (median of 5, the benchmarks' helpers); torch's tinygemm is timed the same way. Prints one line per
 setting and writes JSON to argv[1].
 
@@ -46,12 +45,11 @@ def main(out):
                              tinygemm_us=t_tg * 1e6))
             print(f"{kind:5s} threads {threads:3d} rows/warp {rpw}: {t * 1e6:6.1f} us {nbytes / t / 1e9:6.0f} GB/s"
                   f"  (tinygemm ratio {t / t_tg:.2f})", flush=True)
-        if kind == "int4":   # the tensor-core route (kernels/qgemv_mma.py): one launch shape
-            cfg = qgemv.QgemvConfig(route="mma")
-            t = device_seconds(capture(lambda s: fn(*parts, nb(x), nb(y), stream=s, config=cfg)))
-            rows.append(dict(kind=kind, route="mma", us=t * 1e6, gbps=nbytes / t / 1e9, tinygemm_us=t_tg * 1e6))
-            print(f"int4  route mma: {t * 1e6:6.1f} us {nbytes / t / 1e9:6.0f} GB/s  (tinygemm ratio {t / t_tg:.2f})",
-                  flush=True)
+        cfg = qgemv.QgemvConfig(route="mma")      # the tensor-core route (kernels/qgemv_mma.py): one shape
+        t = device_seconds(capture(lambda s: fn(*parts, nb(x), nb(y), stream=s, config=cfg)))
+        rows.append(dict(kind=kind, route="mma", us=t * 1e6, gbps=nbytes / t / 1e9, tinygemm_us=t_tg * 1e6))
+        print(f"{kind:5s} route mma: {t * 1e6:6.1f} us {nbytes / t / 1e9:6.0f} GB/s  (tinygemm ratio {t / t_tg:.2f})",
+              flush=True)
     with open(out, "w") as f:
         json.dump(rows, f, indent=1)
 

@@ -118,16 +118,24 @@ def test_qgemm_routes_at_llama_shapes(stream, rng, kind, route):
     assert_close(get(out, stream), wf, x, bias)
 
 
+@pytest.mark.parametrize("kind", ["int4", "mxfp4"])
 @pytest.mark.parametrize("n,k,b,bias", [(I, H, 1, False), (H, I, 1, True), (H, I, 11, False)])
-def test_qgemv_int4_mma_route(stream, rng, n, k, b, bias):
+def test_qgemv_mma_route(stream, rng, kind, n, k, b, bias):
     """The tensor-core route at Llama-8B MLP shapes, batch 1 and 11 (two column tiles), same bounds."""
     from numba import cuda
     w = (rng.standard_normal((n, k), dtype=np.float32) * np.float32(0.05))
-    qw = quantize_int4(w)
     x = f32_to_bf16(rng.standard_normal((b, k), dtype=np.float32))
     bb = f32_to_bf16(rng.standard_normal(n, dtype=np.float32)) if bias else None
     out = cuda.device_array((b, n), np.uint16, stream=stream)
-    qgemv.qgemv_int4(*(to_dev(a, stream) for a in qw), to_dev(x, stream), out,
-                     bias=None if bb is None else to_dev(bb, stream), stream=stream,
-                     config=qgemv.QgemvConfig(route="mma"))
-    assert_close(get(out, stream), dequantize_int4(*qw), x, bb, qgemv.reference_int4(*qw, x, bb))
+    cfg = qgemv.QgemvConfig(route="mma")
+    dbias = None if bb is None else to_dev(bb, stream)
+    if kind == "int4":
+        qw = quantize_int4(w)
+        qgemv.qgemv_int4(*(to_dev(a, stream) for a in qw), to_dev(x, stream), out, bias=dbias, stream=stream,
+                         config=cfg)
+        assert_close(get(out, stream), dequantize_int4(*qw), x, bb, qgemv.reference_int4(*qw, x, bb))
+    else:
+        qw = quantize_mxfp4(w)
+        qgemv.qgemv_mxfp4(*(to_dev(a, stream) for a in qw), to_dev(x, stream), out, bias=dbias, stream=stream,
+                          config=cfg)
+        assert_close(get(out, stream), dequantize_mxfp4(*qw), x, bb, qgemv.reference_mxfp4(*qw, x, bb))

@@ -133,4 +133,27 @@ def test_qgemv_int4_mma_route_matches_reference(n, k, b, bias, scale_dtype):
     check(got, dequantize_int4(*qw), x, bb)
     assert np.all(np.abs(got.astype(np.int32) - qgemv.reference_int4(*qw, x, bb).astype(np.int32)) <= 1)
     with pytest.raises(ValueError, match="route"):
-        qgemv.qgemv_mxfp4(*(dev(a) for a in quantize_mxfp4(w)), dev(x), out, config=qgemv.QgemvConfig(route="mma"))
+        qgemv.qgemv_int4(dev(qw.packed), dev(qw.scales), dev(qw.zeros), dev(x), out,
+                         config=qgemv.QgemvConfig(route="wmma"))
+
+
+@pytest.mark.parametrize("n,k,b,bias", [
+    (20, 640, 1, True),     # 5 groups of 4 MX blocks over 4 warps, two row tiles, bias
+    (9, 256, 3, False),     # batch 3 in one column tile
+])
+def test_qgemv_mxfp4_mma_route_matches_reference(n, k, b, bias):
+    """MXFP4 on the tensor-core route: E2M1 pairs placed as bf16 (subnormal for the smallest code), made
+    exact by a packed fma with 2^126 and scaled by the lane's own E8M0 block scale before the mma."""
+    rng = np.random.default_rng(n * k + b + 11)
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    w[1, :32] *= 1e-4                         # blocks with very different scales
+    w[2, 32:64] *= 300.0
+    qw = quantize_mxfp4(w)
+    x = make_x(rng, b, k)
+    bb = f32_to_bf16(rng.standard_normal(n).astype(np.float32)) if bias else None
+    out = cuda.device_array((b, n), np.uint16)
+    qgemv.qgemv_mxfp4(dev(qw.packed), dev(qw.scales), dev(x), out, bias=None if bb is None else dev(bb),
+                      config=qgemv.QgemvConfig(route="mma"))
+    got = out.copy_to_host()
+    check(got, dequantize_mxfp4(*qw), x, bb)
+    assert np.all(np.abs(got.astype(np.int32) - qgemv.reference_mxfp4(*qw, x, bb).astype(np.int32)) <= 1)
