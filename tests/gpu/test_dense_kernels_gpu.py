@@ -306,3 +306,92 @@ def test_captured_decode_tail_replays(stream, rng):
     assert get(pos, stream)[0] == 3 + steps + 1 and get(lens, stream)[0] == 4 + steps + 1
     drv.cuGraphExecDestroy(gexec)
     drv.cuGraphDestroy(graph)
+
+
+def test_captured_decode_layer_replays_bit_identically(stream, rng):
+    decode_layer_eager_vs_captured(stream, rng, 3072, 24, 8, 128, 8192, 512, 300)
+
+
+def decode_layer_eager_vs_captured(stream, rng, hid, hq, hkv, d, mlp, s_max, p0, capture=True):
+    """One decode layer of the 3B preset as the step launches it (RMSNorm, q/k/v in one GEMV launch, RoPE +
+    KV append, split-K decode attention with the length read from device memory, o_proj, fused residual
+    RMSNorm, gate/up/SiLU in one launch, down_proj, residual RMSNorm), captured once in global capture mode
+    and replayed from the same starting state: every output and the KV cache equal the eager launches', bit
+    for bit; a second replay at the next position equals a second eager step."""
+    from cuda.bindings import driver as drv
+    from numba import cuda
+    from vmmstream.kernels import attention_decode as ad
+    eps = 1e-5
+    w = dict(ln1=bf16(rng, hid), ln2=bf16(rng, hid), lnf=bf16(rng, hid),
+             q=bf16(rng, (hq * d, hid), 0.02), k=bf16(rng, (hkv * d, hid), 0.02), v=bf16(rng, (hkv * d, hid), 0.02),
+             o=bf16(rng, (hid, hq * d), 0.02), g=bf16(rng, (mlp, hid), 0.02), u=bf16(rng, (mlp, hid), 0.02),
+             dn=bf16(rng, (hid, mlp), 0.02))
+    dw = {n: to_dev(a, stream) for n, a in w.items()}
+    x0 = bf16(rng, (1, hid))
+    cache0 = np.zeros((2, 1, s_max, hkv, d), np.uint16)
+    cache0[:, 0, :p0] = bf16(rng, (2, p0, hkv, d))               # a context of p0 tokens already in the cache
+    st0 = dict(x=x0, cache=cache0, pos=np.array([p0], np.int32), lens=np.array([p0 + 1], np.int32))
+    st = {n: to_dev(a, stream) for n, a in st0.items()}
+    inv = to_dev(rope.rope_inv_freq(d, 500000.0, LLAMA3), stream)
+    xn = cuda.device_array((1, hid), np.uint16, stream=stream)
+    q, k, v = (cuda.device_array((1, n * d), np.uint16, stream=stream) for n in (hq, hkv, hkv))
+    attn = cuda.device_array((1, hq * d), np.uint16, stream=stream)
+    proj = cuda.device_array((1, hid), np.uint16, stream=stream)
+    gate = cuda.device_array((1, mlp), np.uint16, stream=stream)
+    ws = cuda.device_array(ad.workspace_requirement(1, hq, hkv, d, s_max).bytes, np.uint8, stream=stream)
+    ck4, cv4 = st["cache"][0], st["cache"][1]                       # [1, S_max, Hkv, D]
+
+    def layer():
+        norm.rmsnorm(st["x"], dw["ln1"], xn, eps=eps, stream=stream)
+        gemv.gemv_multi([dw["q"], dw["k"], dw["v"]], xn, [q, k, v], stream=stream)
+        rope.apply_rope_append_kv(q.reshape(1, hq, d), k.reshape(1, hkv, d), v.reshape(1, hkv, d), ck4[0], cv4[0],
+                                  st["pos"], inv, stream=stream)
+        ad.launch(q.reshape(1, hq, d), ck4, cv4, st["lens"], attn.reshape(1, hq, d), ws, stream=stream)
+        gemv.gemv(dw["o"], attn, proj, stream=stream)
+        norm.rmsnorm(proj, dw["ln2"], xn, eps=eps, residual=st["x"], stream=stream)
+        gemv.gemv_gate_up_silu(dw["g"], dw["u"], xn, gate, stream=stream)
+        gemv.gemv(dw["dn"], gate, proj, stream=stream)
+        norm.rmsnorm(proj, dw["lnf"], xn, eps=eps, residual=st["x"], stream=stream)
+
+    def reset():
+        for n, a in st0.items():
+            st[n].copy_to_device(a, stream=stream)
+
+    def step_to(p):
+        st["pos"].copy_to_device(np.array([p], np.int32), stream=stream)
+        st["lens"].copy_to_device(np.array([p + 1], np.int32), stream=stream)
+
+    def snapshot():
+        return [get(a, stream).copy() for a in (xn, st["x"], st["cache"], q, attn, gate)]
+
+    reset()
+    layer()                                   # eager: compile, load, and the expected result
+    eager1 = snapshot()
+    step_to(p0 + 1)
+    layer()
+    eager2 = snapshot()
+    assert eager1[2][0, 0, p0].any() and not eager1[2][0, 0, p0 + 1].any() and eager2[2][0, 0, p0 + 1].any()
+    assert not np.array_equal(eager1[0], eager2[0])
+    if not capture:
+        return eager1, eager2
+
+    reset()
+    hs = drv.CUstream(int(stream))
+    (err,) = drv.cuStreamBeginCapture(hs, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+    assert err == drv.CUresult.CUDA_SUCCESS
+    layer()
+    err, graph = drv.cuStreamEndCapture(hs)
+    assert err == drv.CUresult.CUDA_SUCCESS
+    err, gexec = drv.cuGraphInstantiate(graph, 0)
+    assert err == drv.CUresult.CUDA_SUCCESS
+    try:
+        reset()                               # capture ran nothing: replay from the starting state
+        for p, want in ((p0, eager1), (p0 + 1, eager2)):
+            step_to(p)
+            (err,) = drv.cuGraphLaunch(gexec, hs)
+            assert err == drv.CUresult.CUDA_SUCCESS
+            for a, b in zip(snapshot(), want):
+                np.testing.assert_array_equal(a, b)
+    finally:
+        drv.cuGraphExecDestroy(gexec)
+        drv.cuGraphDestroy(graph)
