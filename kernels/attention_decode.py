@@ -42,13 +42,11 @@ HEAD_DIMS = (64, 128)
 MAX_GROUP = 8
 CAPTURE_SAFE = True      # device arrays only, length read on the device, grid fixed by S_max
 
-# pass 1 tuning. Swept on an H200 by scripts/sweep_decode.py (32q/8kv heads, D=128, a CUDA graph of 20 calls,
-# best of 5; SDPA 37.7 us at S=32768): warps/keys/prefetch/min-blocks/flat/scatter @ chunk -> us (of SDPA)
-#   4/4/on/0/-/- @1024 49.6 (0.76) | 4/4/on/0/flat/- @1024 50.0 | 4/4/on/0/flat/scatter @1024 50.3 |
-#   4/4/on/0/flat/scatter @512 53.7 | 4/4/on/4/flat/scatter @512 46.4 (0.81, 128 regs) |
-#   4/4/on/3/flat/scatter @672 45.1 (0.84: 49 splits x 8 heads = 392 blocks, one wave of 3 per SM) |
-#   8/4 54.5 | 4/2 @512 47.2 | 4/8 48.4 (254 regs) | prefetch off 58.6 | 2/4 51.3. The grid that fills one wave
-#   exactly is what matters most: ``plan`` sizes the chunk for it. Pass 2 + its launch: ~4 us of the total.
+# pass 1 tuning, swept on an H200 by scripts/sweep_decode.py (32q/8kv heads, D=128, S=32768, SDPA 37.7 us; raw
+# data docs/bench/h200-2026-12-02b-decode-sweep.json): one wave of 3 blocks per SM (672 keys x 49 splits) with
+# flat loads and the scatter-sum, 45.1 us (0.84); the same at 1024 keys without the 3-block bound 50.3; 4 blocks
+# per SM at 512 keys 46.4; 8 warps 54.5; 2 keys per step 47.2; 8 keys 48.4; no prefetch 58.6; 2 warps 51.3.
+# The grid that fills one wave exactly matters most: ``plan`` sizes the chunk for it. Pass 2: ~4 us of the total.
 WARPS = 4                # warps per pass-1 block
 KEYS = 4                 # keys per lane group per step: 2 * KEYS 16-byte loads per lane per step
 PREFETCH = True          # issue the next step's loads before using this step's (doubles the loads in flight)
