@@ -15,7 +15,7 @@ import pytest
 from vmmstream.kernels import elementwise, embedding, gemm, gemv, norm, rope, sampling, scalars
 from vmmstream.kernels.dtypes import bf16_to_f32, f32_to_bf16
 
-from gpuutil import HALF_ULP, get, to_dev
+from gpuutil import HALF_ULP, captured, get, to_dev
 
 pytestmark = pytest.mark.gpu
 
@@ -263,7 +263,6 @@ def test_captured_decode_tail_replays(stream, rng):
     """embedding -> rmsnorm -> lm_head gemv -> argmax -> advance, captured once and replayed: every
     launch is capture-safe (global capture mode rejects any allocation or synchronize) and the graph
     reads the token and position it wrote on the previous replay."""
-    from cuda.bindings import driver as drv
     from numba import cuda
     vocab, hid, steps = 4096, 1024, 5
     table, wn, head = bf16(rng, (vocab, hid)), bf16(rng, hid), bf16(rng, (vocab, hid), 0.05)
@@ -290,22 +289,12 @@ def test_captured_decode_tail_replays(stream, rng):
         hn = norm.reference(table[tok][None, :], wn, 1e-5)
         tok = int(np.argmax(gemv.reference(head, hn)[0]))
         expect.append(tok)
-    h = drv.CUstream(int(stream))
-    (err,) = drv.cuStreamBeginCapture(h, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
-    assert err == drv.CUresult.CUDA_SUCCESS
-    step()
-    err, graph = drv.cuStreamEndCapture(h)
-    assert err == drv.CUresult.CUDA_SUCCESS
-    err, gexec = drv.cuGraphInstantiate(graph, 0)
-    assert err == drv.CUresult.CUDA_SUCCESS
-    for _ in range(steps):
-        (err,) = drv.cuGraphLaunch(gexec, h)
-        assert err == drv.CUresult.CUDA_SUCCESS
-    stream.synchronize()
+    with captured(stream, step) as replay:
+        for _ in range(steps):
+            replay()
+        stream.synchronize()
     assert get(toks, stream)[0, 4:4 + steps + 1].tolist() == expect
     assert get(pos, stream)[0] == 3 + steps + 1 and get(lens, stream)[0] == 4 + steps + 1
-    drv.cuGraphExecDestroy(gexec)
-    drv.cuGraphDestroy(graph)
 
 
 def test_captured_decode_layer_replays_bit_identically(stream, rng):
@@ -318,7 +307,6 @@ def decode_layer_eager_vs_captured(stream, rng, hid, hq, hkv, d, mlp, s_max, p0,
     RMSNorm, gate/up/SiLU in one launch, down_proj, residual RMSNorm), captured once in global capture mode
     and replayed from the same starting state: every output and the KV cache equal the eager launches', bit
     for bit; a second replay at the next position equals a second eager step."""
-    from cuda.bindings import driver as drv
     from numba import cuda
     from vmmstream.kernels import attention_decode as ad
     eps = 1e-5
@@ -376,22 +364,10 @@ def decode_layer_eager_vs_captured(stream, rng, hid, hq, hkv, d, mlp, s_max, p0,
         return eager1, eager2
 
     reset()
-    hs = drv.CUstream(int(stream))
-    (err,) = drv.cuStreamBeginCapture(hs, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
-    assert err == drv.CUresult.CUDA_SUCCESS
-    layer()
-    err, graph = drv.cuStreamEndCapture(hs)
-    assert err == drv.CUresult.CUDA_SUCCESS
-    err, gexec = drv.cuGraphInstantiate(graph, 0)
-    assert err == drv.CUresult.CUDA_SUCCESS
-    try:
+    with captured(stream, layer) as replay:
         reset()                               # capture ran nothing: replay from the starting state
         for p, want in ((p0, eager1), (p0 + 1, eager2)):
             step_to(p)
-            (err,) = drv.cuGraphLaunch(gexec, hs)
-            assert err == drv.CUresult.CUDA_SUCCESS
+            replay()
             for a, b in zip(snapshot(), want):
                 np.testing.assert_array_equal(a, b)
-    finally:
-        drv.cuGraphExecDestroy(gexec)
-        drv.cuGraphDestroy(graph)

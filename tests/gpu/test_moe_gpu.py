@@ -15,7 +15,7 @@ from vmmstream.kernels import moe
 from vmmstream.kernels.dtypes import bf16_to_f32, f32_to_bf16
 from vmmstream.kernels.quant import dequantize_int4, dequantize_mxfp4, quantize_int4, quantize_mxfp4
 
-from gpuutil import HALF_ULP, get, to_dev
+from gpuutil import HALF_ULP, captured, get, to_dev
 from moe_checks import check_experts, check_routing, kernel_h
 
 pytestmark = pytest.mark.gpu
@@ -133,7 +133,6 @@ def test_captured_moe_decode_replays_match_eager(stream):
     """router -> group -> expert FFN -> combine for one token, captured once (global capture mode: no
     allocation or synchronize inside) and replayed with new router logits written into the captured input:
     every replay's output equals an eager launch on the same inputs, bit for bit."""
-    from cuda.bindings import driver as drv
     from numba import cuda
     rng = np.random.default_rng(17)
     t, e, k, h, i = 1, 8, 2, 2048, 5632
@@ -160,21 +159,9 @@ def test_captured_moe_decode_replays_match_eager(stream):
         step()
         eager.append((get(ids, stream).copy(), get(out, stream).copy()))
     assert len({tuple(a.reshape(-1)) for a, _ in eager}) > 1      # the logits route to different experts
-    hs = drv.CUstream(int(stream))
-    (err,) = drv.cuStreamBeginCapture(hs, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
-    assert err == drv.CUresult.CUDA_SUCCESS
-    step()
-    err, graph = drv.cuStreamEndCapture(hs)
-    assert err == drv.CUresult.CUDA_SUCCESS
-    err, gexec = drv.cuGraphInstantiate(graph, 0)
-    assert err == drv.CUresult.CUDA_SUCCESS
-    try:
+    with captured(stream, step) as replay:
         for lg, (want_ids, want_out) in zip(all_logits, eager):
             dlog.copy_to_device(lg, stream=stream)
-            (err,) = drv.cuGraphLaunch(gexec, hs)
-            assert err == drv.CUresult.CUDA_SUCCESS
+            replay()
             np.testing.assert_array_equal(get(ids, stream), want_ids)
             np.testing.assert_array_equal(get(out, stream), want_out)
-    finally:
-        drv.cuGraphExecDestroy(gexec)
-        drv.cuGraphDestroy(graph)

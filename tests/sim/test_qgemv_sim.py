@@ -36,18 +36,23 @@ def make_x(rng, b, k):
     return f32_to_bf16(rng.standard_normal((b, k)).astype(np.float32))
 
 
+def int4_case(seed, n, k, b, bias, scale_dtype):
+    """Quantized random W [N, K], x [B, K], optional bias and an output array: (qw, x, bias bits, out)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    qw = quantize_int4(w, scale_dtype=scale_dtype)
+    x = make_x(rng, b, k)
+    bb = f32_to_bf16(rng.standard_normal(n).astype(np.float32)) if bias else None
+    return qw, x, bb, cuda.device_array((b, n), np.uint16)
+
+
 @pytest.mark.parametrize("n,k,b,bias,threads,rpw,scale_dtype,tile_k", [
     (37, 256, 1, False, 64, 4, np.float16, 0),      # odd N: a clamped last warp
     (13, 640, 1, True, 32, 2, np.float32, 256),     # K over three shared-memory tiles (256 + 256 + 128), bias
     (5, 128, 3, False, 32, 3, np.float16, 0),       # batch tile 4 with a clamped x row
 ])
 def test_qgemv_int4_matches_reference(n, k, b, bias, threads, rpw, scale_dtype, tile_k):
-    rng = np.random.default_rng(n * k + b)
-    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
-    qw = quantize_int4(w, scale_dtype=scale_dtype)
-    x = make_x(rng, b, k)
-    bb = f32_to_bf16(rng.standard_normal(n).astype(np.float32)) if bias else None
-    out = cuda.device_array((b, n), np.uint16)
+    qw, x, bb, out = int4_case(n * k + b, n, k, b, bias, scale_dtype)
     qgemv.qgemv_int4(dev(qw.packed), dev(qw.scales), dev(qw.zeros), dev(x), out,
                      bias=None if bb is None else dev(bb),
                      config=qgemv.QgemvConfig(threads=threads, rows_per_warp=rpw, tile_k=tile_k))
@@ -121,12 +126,7 @@ def test_qgemv_declares_no_workspace():
 def test_qgemv_int4_mma_route_matches_reference(n, k, b, bias, scale_dtype):
     """The tensor-core route (kernels/qgemv_mma.py): packed bf16 pairs of nibbles (j, j + 4), zero point
     taken off by the packed fma, the mma emulated lane by lane with the PTX fragment layouts."""
-    rng = np.random.default_rng(n * k + b + 7)
-    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
-    qw = quantize_int4(w, scale_dtype=scale_dtype)
-    x = make_x(rng, b, k)
-    bb = f32_to_bf16(rng.standard_normal(n).astype(np.float32)) if bias else None
-    out = cuda.device_array((b, n), np.uint16)
+    qw, x, bb, out = int4_case(n * k + b + 7, n, k, b, bias, scale_dtype)
     qgemv.qgemv_int4(dev(qw.packed), dev(qw.scales), dev(qw.zeros), dev(x), out,
                      bias=None if bb is None else dev(bb), config=qgemv.QgemvConfig(route="mma"))
     got = out.copy_to_host()
