@@ -19,6 +19,10 @@ Decode is memory-bound and W is 4 bits a value, so the work per byte is 4x the b
   the chunk's partial sum is multiplied by the block scale 2^(e-127) (its bf16 bits are e << 7).
 K must be a multiple of the group (128 for int4, 32 for MXFP4); x must allow 16-byte loads (``vec8_ok``):
 there is no scalar fallback.
+
+That is the ``simt`` route. Where K is a multiple of 128 the default (``route="auto"``) is the tensor-core
+route of ``kernels/qgemv_mma.py``, faster at the decode shapes on the H200 (docs/BENCHMARKS.md); it takes
+int4 zero points as integers in [0, 15], which is what ``quantize_int4`` stores.
 """
 
 from __future__ import annotations
@@ -46,7 +50,9 @@ class QgemvConfig:
     rows_per_warp: int = 4
     batch_tile: int = 0      # 0: pick from B (1, 2 or 4)
     tile_k: int = 0          # 0: SMEM_X // batch_tile; else a multiple of 32 (tests use small tiles)
-    route: str = "simt"      # "mma": kernels/qgemv_mma.py (tensor cores; K a multiple of 128, int4 zero points integers)
+    route: str = "auto"      # "mma": kernels/qgemv_mma.py (tensor cores; K a multiple of 128, int4 zero points
+                             # integers); "simt": this module's kernel; "auto": mma where K allows it, else simt
+    mma_steps: int = 4       # mma route: groups each warp loads before multiplying (1, 2, 4 or 8)
 
 
 if SIM:
@@ -206,11 +212,12 @@ def _launch(name, kind, packed, scales, zeros, x, out, bias, workspace, stream, 
         raise ValueError(f"{name}: packed weights and x must be contiguous rows on 16-byte boundaries "
                          "(16-byte loads; there is no scalar path)")
     cfg = config or QgemvConfig()
-    if cfg.route not in ("simt", "mma"):
-        raise ValueError(f"{name}: route must be 'simt' or 'mma', got {cfg.route!r}")
-    if cfg.route == "mma":
+    if cfg.route not in ("auto", "simt", "mma"):
+        raise ValueError(f"{name}: route must be 'auto', 'simt' or 'mma', got {cfg.route!r}")
+    route = cfg.route if cfg.route != "auto" else "mma" if k % INT4_GROUP == 0 else "simt"
+    if route == "mma":
         from . import qgemv_mma
-        qgemv_mma.launch(kind, packed, scales, zeros, x, out, bias, as_stream(stream))
+        qgemv_mma.launch(kind, packed, scales, zeros, x, out, bias, as_stream(stream), cfg.mma_steps)
         return
     threads, rpw, nb, kt = _auto(b, cfg)
     kern = _make(kind, nb, rpw, threads, bias is not None, kt)
@@ -223,7 +230,8 @@ def qgemv_int4(packed, scales, zeros, x, out, *, bias=None, workspace=None, stre
     """out[B, N] = x[B, K] · dequantize_int4(packed, scales, zeros)ᵀ (+ bias), bf16 out.
 
     packed uint8 [N, K/2]; scales, zeros fp16 or fp32 [N, K/128]; x, bias, out bf16 (uint16); x may be
-    [K] with out [N]. Device arrays; never allocates.
+    [K] with out [N]. Zero points are integers in [0, 15] (``quantize_int4``); the default tensor-core
+    route would round a fractional one. Device arrays; never allocates.
     """
     _launch("qgemv_int4", INT4, packed, scales, zeros, x, out, bias, workspace, stream, config)
 

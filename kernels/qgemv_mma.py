@@ -38,10 +38,14 @@ GROUP = 128
 
 
 @functools.lru_cache(maxsize=None)
-def make(kind: int, has_bias: bool):
+def make(kind: int, has_bias: bool, steps: int = 1):
+    """``steps`` groups per warp are loaded before any is multiplied, so that many 16-byte loads of W per
+    lane are in flight at once (the kernel is bound by how much of HBM's latency it hides)."""
     from .qgemv import INT4, _ld16_ro
     MS0, MS1 = mh.SIM_MMA_SCRATCH          # simulator-only scratch (1 x 1 on the GPU)
     is_int4 = kind == INT4
+    U = steps
+    U4 = 4 * steps
 
     @mh.kernel(mh.THREADS)
     def qgemv_q4_mma(packed, scales, zeros, x, bias, y, n_rows, n_batch, k):
@@ -58,8 +62,12 @@ def make(kind: int, has_bias: bool):
         xr = min(xc, n_batch - 1)
         scratch = cuda.shared.array((MS0, MS1), np.float64)
         red = cuda.shared.array((W, 32, 4), np.float32)
-        wa = cuda.local.array(4, uint32)
-        wb = cuda.local.array(4, uint32)
+        wa = cuda.local.array(U4, uint32)
+        wb = cuda.local.array(U4, uint32)
+        ca = cuda.local.array(U, uint32)
+        cb = cuda.local.array(U, uint32)
+        sa = cuda.local.array(U, float32)
+        sb = cuda.local.array(U, float32)
         xw = cuda.local.array(16, uint32)
         ng = k // GROUP
         one = uint32(0x3F803F80)                 # bf16 pair (1.0, 1.0)
@@ -67,61 +75,67 @@ def make(kind: int, has_bias: bool):
         norm = uint32(0x7E807E80)                # bf16 pair (2^126, 2^126)
         lo16, hi16, nib2 = uint32(0xFFFF), uint32(0xFFFF0000), uint32(0x000F000F)
         acc0 = acc1 = acc2 = acc3 = float32(0.0)
-        for it in range((ng + W - 1) // W):      # the same trip count in every warp (the mma is warp-wide)
-            gi = it * W + wid
-            gc = min(gi, ng - 1)
-            wa[0], wa[1], wa[2], wa[3] = _ld16_ro(packed, (ra, gc * 64 + 16 * t))
-            wb[0], wb[1], wb[2], wb[3] = _ld16_ro(packed, (rb, gc * 64 + 16 * t))
-            use_x = gi < ng and xc < n_batch
-            for om in range(4):
-                x0, x1, x2, x3 = ld8_ro(x, (xr, gc * GROUP + 32 * t + 8 * om))
-                if not use_x:
-                    x0 = x1 = x2 = x3 = uint32(0)
-                xw[4 * om], xw[4 * om + 1], xw[4 * om + 2], xw[4 * om + 3] = x0, x1, x2, x3
-            if is_int4:                          # c: -(128 + zero) per row, the D scale after the group
-                za = float32(zeros[ra, gc]) + float32(128.0)
-                zb = float32(zeros[rb, gc]) + float32(128.0)
-                ca = mh.pack_bf16x2(-za, -za)
-                cb = mh.pack_bf16x2(-zb, -zb)
-            else:                                # c: the lane's E8M0 block scale 2^(e - 127) as a bf16 pair
-                ea = uint32(scales[ra, 4 * gc + t])
-                eb = uint32(scales[rb, 4 * gc + t])
-                ea = uint32(0x40) if ea == 0 else ea << uint32(7)      # e = 0: 2^-127, a bf16 subnormal
-                eb = uint32(0x40) if eb == 0 else eb << uint32(7)
-                ca = ea | (ea << uint32(16))
-                cb = eb | (eb << uint32(16))
-            d0 = d1 = d2 = d3 = float32(0.0)
-            for om in range(4):                  # word om of the chunk: values 8 om .. 8 om + 7
-                for h in range(2):               # k-step: pairs j = 2h (a0, a1, b0) and 2h + 1 (a2, a3, b1)
-                    xa = xw[4 * om + h]          # (x[2h], x[2h + 1])
-                    xb = xw[4 * om + 2 + h]      # (x[2h + 4], x[2h + 5])
-                    b0 = (xa & lo16) | (xb << uint32(16))          # (x[2h], x[2h + 4])
-                    b1 = (xa >> uint32(16)) | (xb & hi16)          # (x[2h + 1], x[2h + 5])
-                    s0 = uint32(8 * h)
-                    s1 = uint32(8 * h + 4)
-                    if is_int4:
-                        a0 = mh.fma_bf16x2(((wa[om] >> s0) & nib2) | magic, one, ca)
-                        a2 = mh.fma_bf16x2(((wa[om] >> s1) & nib2) | magic, one, ca)
-                        a1 = mh.fma_bf16x2(((wb[om] >> s0) & nib2) | magic, one, cb)
-                        a3 = mh.fma_bf16x2(((wb[om] >> s1) & nib2) | magic, one, cb)
-                    else:
-                        a0 = _e2m1_pair((wa[om] >> s0) & nib2, norm, ca)
-                        a2 = _e2m1_pair((wa[om] >> s1) & nib2, norm, ca)
-                        a1 = _e2m1_pair((wb[om] >> s0) & nib2, norm, cb)
-                        a3 = _e2m1_pair((wb[om] >> s1) & nib2, norm, cb)
-                    d0, d1, d2, d3 = mh.mma_bf16_16816(a0, a1, a2, a3, b0, b1, d0, d1, d2, d3, scratch)
-            if is_int4:
-                sa = float32(scales[ra, gc])
-                sb = float32(scales[rb, gc])
-                acc0 += d0 * sa
-                acc1 += d1 * sa
-                acc2 += d2 * sb
-                acc3 += d3 * sb
-            else:
-                acc0 += d0
-                acc1 += d1
-                acc2 += d2
-                acc3 += d3
+        for it in range((ng + W * U - 1) // (W * U)):  # the same trip count in every warp (the mma is warp-wide)
+            for u in range(U):                   # all of this step's loads first
+                gc = min((it * U + u) * W + wid, ng - 1)
+                o = 4 * u
+                wa[o], wa[o + 1], wa[o + 2], wa[o + 3] = _ld16_ro(packed, (ra, gc * 64 + 16 * t))
+                wb[o], wb[o + 1], wb[o + 2], wb[o + 3] = _ld16_ro(packed, (rb, gc * 64 + 16 * t))
+                if is_int4:                      # c: -(128 + zero) per row, the D scale after the group
+                    za = float32(zeros[ra, gc]) + float32(128.0)
+                    zb = float32(zeros[rb, gc]) + float32(128.0)
+                    ca[u] = mh.pack_bf16x2(-za, -za)
+                    cb[u] = mh.pack_bf16x2(-zb, -zb)
+                    sa[u] = float32(scales[ra, gc])
+                    sb[u] = float32(scales[rb, gc])
+                else:                            # c: the lane's E8M0 block scale 2^(e - 127) as a bf16 pair
+                    ea = uint32(scales[ra, 4 * gc + t])
+                    eb = uint32(scales[rb, 4 * gc + t])
+                    ea = uint32(0x40) if ea == 0 else ea << uint32(7)      # e = 0: 2^-127, a bf16 subnormal
+                    eb = uint32(0x40) if eb == 0 else eb << uint32(7)
+                    ca[u] = ea | (ea << uint32(16))
+                    cb[u] = eb | (eb << uint32(16))
+            for u in range(U):
+                gi = (it * U + u) * W + wid
+                gc = min(gi, ng - 1)
+                use_x = gi < ng and xc < n_batch
+                for om in range(4):
+                    x0, x1, x2, x3 = ld8_ro(x, (xr, gc * GROUP + 32 * t + 8 * om))
+                    if not use_x:
+                        x0 = x1 = x2 = x3 = uint32(0)
+                    xw[4 * om], xw[4 * om + 1], xw[4 * om + 2], xw[4 * om + 3] = x0, x1, x2, x3
+                d0 = d1 = d2 = d3 = float32(0.0)
+                for om in range(4):              # word om of the chunk: values 8 om .. 8 om + 7
+                    wao = wa[4 * u + om]
+                    wbo = wb[4 * u + om]
+                    for h in range(2):           # k-step: pairs j = 2h (a0, a1, b0) and 2h + 1 (a2, a3, b1)
+                        xa = xw[4 * om + h]      # (x[2h], x[2h + 1])
+                        xb = xw[4 * om + 2 + h]  # (x[2h + 4], x[2h + 5])
+                        b0 = (xa & lo16) | (xb << uint32(16))          # (x[2h], x[2h + 4])
+                        b1 = (xa >> uint32(16)) | (xb & hi16)          # (x[2h + 1], x[2h + 5])
+                        s0 = uint32(8 * h)
+                        s1 = uint32(8 * h + 4)
+                        if is_int4:
+                            a0 = mh.fma_bf16x2(((wao >> s0) & nib2) | magic, one, ca[u])
+                            a2 = mh.fma_bf16x2(((wao >> s1) & nib2) | magic, one, ca[u])
+                            a1 = mh.fma_bf16x2(((wbo >> s0) & nib2) | magic, one, cb[u])
+                            a3 = mh.fma_bf16x2(((wbo >> s1) & nib2) | magic, one, cb[u])
+                        else:
+                            a0 = _e2m1_pair((wao >> s0) & nib2, norm, ca[u])
+                            a2 = _e2m1_pair((wao >> s1) & nib2, norm, ca[u])
+                            a1 = _e2m1_pair((wbo >> s0) & nib2, norm, cb[u])
+                            a3 = _e2m1_pair((wbo >> s1) & nib2, norm, cb[u])
+                        d0, d1, d2, d3 = mh.mma_bf16_16816(a0, a1, a2, a3, b0, b1, d0, d1, d2, d3, scratch)
+                if is_int4:
+                    acc0 += d0 * sa[u]
+                    acc1 += d1 * sa[u]
+                    acc2 += d2 * sb[u]
+                    acc3 += d3 * sb[u]
+                else:
+                    acc0 += d0
+                    acc1 += d1
+                    acc2 += d2
+                    acc3 += d3
         red[wid, lane, 0] = acc0
         red[wid, lane, 1] = acc1
         red[wid, lane, 2] = acc2
@@ -151,12 +165,15 @@ def _e2m1_pair(p, norm, scale):
     return mh.fma_bf16x2(mh.fma_bf16x2(raw, norm, uint32(0)), scale, uint32(0))
 
 
-def launch(kind, packed, scales, zeros, x, out, bias, stream):
-    """Shapes checked by ``qgemv._launch``; x, out 2-D; ``zeros`` None for MXFP4."""
+def launch(kind, packed, scales, zeros, x, out, bias, stream, steps=1):
+    """Shapes checked by ``qgemv._launch``; x, out 2-D; ``zeros`` None for MXFP4; ``steps`` groups per
+    warp loaded at once (1, 2, 4 or 8)."""
     n, b, k = packed.shape[0], x.shape[0], 2 * packed.shape[1]
     if k % GROUP:
         raise ValueError(f"the mma route takes K in multiples of {GROUP}, got {k}")
-    kern = make(kind, bias is not None)
+    if steps not in (1, 2, 4, 8):
+        raise ValueError(f"the mma route loads 1, 2, 4 or 8 groups per warp at once, got {steps}")
+    kern = make(kind, bias is not None, steps)
     kern[(-(-n // ROWS), -(-b // COLS)), mh.THREADS, stream](
         packed, scales, scales if zeros is None else zeros, x, x if bias is None else bias, out, n, b, k)
 
@@ -184,9 +201,10 @@ def _sig(scale_t: str, has_bias: bool) -> str:
 
 
 def _signatures():
-    from .qgemv import INT4, MXFP4
-    return ([(make(INT4, hb).py_func, _sig(st, hb)) for st, hb in (("float16", False), ("float16", True), ("float32", False))]
-            + [(make(MXFP4, hb).py_func, _sig("uint8", hb)) for hb in (False, True)])
+    from .qgemv import INT4, MXFP4, QgemvConfig
+    u = QgemvConfig().mma_steps          # the depth the model's decode launches use
+    return ([(make(INT4, hb, u).py_func, _sig(st, hb)) for st, hb in (("float16", False), ("float16", True), ("float32", False))]
+            + [(make(MXFP4, hb, u).py_func, _sig("uint8", hb)) for hb in (False, True)])
 
 
 SIGNATURES = _signatures()

@@ -1,5 +1,5 @@
 """Sweep the quantized GEMVs' launch shape on a GPU: threads per block and rows per warp, int4 and MXFP4,
-and the tensor-core route, 1×4096 · [14336, 4096]. Each setting is timed as 20 launches captured in one CUDA graph, CUDA events around
+and the tensor-core route at 1, 2, 4 and 8 groups loaded at once, 1×4096 · [14336, 4096]. Each setting is timed as 20 launches captured in one CUDA graph, CUDA events around
 a replay (median of 5, the benchmarks' helpers); torch's tinygemm is timed the same way. Prints one line per
 setting and writes JSON to argv[1].
 
@@ -39,17 +39,19 @@ def main(out):
         parts = [nb(torch.from_numpy(np.ascontiguousarray(a)).cuda()) for a in qw]
         nbytes = sum(a.nbytes for a in qw) + 2 * H + 2 * I
         for threads, rpw in SHAPES:
-            cfg = qgemv.QgemvConfig(threads=threads, rows_per_warp=rpw)
+            cfg = qgemv.QgemvConfig(threads=threads, rows_per_warp=rpw, route="simt")
             t = device_seconds(capture(lambda s: fn(*parts, nb(x), nb(y), stream=s, config=cfg)))
             rows.append(dict(kind=kind, threads=threads, rows_per_warp=rpw, us=t * 1e6, gbps=nbytes / t / 1e9,
                              tinygemm_us=t_tg * 1e6))
             print(f"{kind:5s} threads {threads:3d} rows/warp {rpw}: {t * 1e6:6.1f} us {nbytes / t / 1e9:6.0f} GB/s"
                   f"  (tinygemm ratio {t / t_tg:.2f})", flush=True)
-        cfg = qgemv.QgemvConfig(route="mma")      # the tensor-core route (kernels/qgemv_mma.py): one shape
-        t = device_seconds(capture(lambda s: fn(*parts, nb(x), nb(y), stream=s, config=cfg)))
-        rows.append(dict(kind=kind, route="mma", us=t * 1e6, gbps=nbytes / t / 1e9, tinygemm_us=t_tg * 1e6))
-        print(f"{kind:5s} route mma: {t * 1e6:6.1f} us {nbytes / t / 1e9:6.0f} GB/s  (tinygemm ratio {t / t_tg:.2f})",
-              flush=True)
+        for steps in (1, 2, 4, 8):               # the tensor-core route (kernels/qgemv_mma.py), groups loaded at once
+            cfg = qgemv.QgemvConfig(route="mma", mma_steps=steps)
+            t = device_seconds(capture(lambda s: fn(*parts, nb(x), nb(y), stream=s, config=cfg)))
+            rows.append(dict(kind=kind, route="mma", mma_steps=steps, us=t * 1e6, gbps=nbytes / t / 1e9,
+                             tinygemm_us=t_tg * 1e6))
+            print(f"{kind:5s} route mma, {steps} groups at once: {t * 1e6:6.1f} us {nbytes / t / 1e9:6.0f} GB/s"
+                  f"  (tinygemm ratio {t / t_tg:.2f})", flush=True)
     with open(out, "w") as f:
         json.dump(rows, f, indent=1)
 

@@ -10,6 +10,8 @@ accumulation slack is under half a step (a 4 x 14336 case with cancellation was 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -22,6 +24,7 @@ from gpuutil import HALF_ULP, get, to_dev
 pytestmark = pytest.mark.gpu
 
 H, I = 4096, 14336
+SIMT = qgemv.QgemvConfig(route="simt")   # the scalar route; the tensor-core route is tested below
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +62,7 @@ def test_qgemv_int4(stream, rng, n, k, b, bias, scale_dtype):
     bb = f32_to_bf16(rng.standard_normal(n, dtype=np.float32)) if bias else None
     out = cuda.device_array((b, n), np.uint16, stream=stream)
     qgemv.qgemv_int4(*(to_dev(a, stream) for a in qw), to_dev(x, stream), out,
-                     bias=None if bb is None else to_dev(bb, stream), stream=stream)
+                     bias=None if bb is None else to_dev(bb, stream), stream=stream, config=SIMT)
     assert_close(get(out, stream), dequantize_int4(*qw), x, bb, qgemv.reference_int4(*qw, x, bb))
 
 
@@ -77,7 +80,7 @@ def test_qgemv_mxfp4(stream, rng, n, k, b, bias):
     bb = f32_to_bf16(rng.standard_normal(n, dtype=np.float32)) if bias else None
     out = cuda.device_array((b, n), np.uint16, stream=stream)
     qgemv.qgemv_mxfp4(*(to_dev(a, stream) for a in qw), to_dev(x, stream), out,
-                      bias=None if bb is None else to_dev(bb, stream), stream=stream)
+                      bias=None if bb is None else to_dev(bb, stream), stream=stream, config=SIMT)
     assert_close(get(out, stream), dequantize_mxfp4(*qw), x, bb, qgemv.reference_mxfp4(*qw, x, bb))
 
 
@@ -118,24 +121,30 @@ def test_qgemm_routes_at_llama_shapes(stream, rng, kind, route):
     assert_close(get(out, stream), wf, x, bias)
 
 
+@functools.lru_cache(maxsize=None)
+def _quantized(kind, n, k):
+    w = (np.random.default_rng(n + k).standard_normal((n, k), dtype=np.float32) * np.float32(0.05))
+    return quantize_int4(w) if kind == "int4" else quantize_mxfp4(w)
+
+
+@pytest.mark.parametrize("steps", [1, 2, 4, 8])
 @pytest.mark.parametrize("kind", ["int4", "mxfp4"])
 @pytest.mark.parametrize("n,k,b,bias", [(I, H, 1, False), (H, I, 1, True), (H, I, 11, False)])
-def test_qgemv_mma_route(stream, rng, kind, n, k, b, bias):
-    """The tensor-core route at Llama-8B MLP shapes, batch 1 and 11 (two column tiles), same bounds."""
+def test_qgemv_mma_route(stream, rng, kind, n, k, b, bias, steps):
+    """The tensor-core route at Llama-8B MLP shapes, batch 1 and 11 (two column tiles), each number of
+    groups loaded at once, same bounds as the scalar route."""
     from numba import cuda
-    w = (rng.standard_normal((n, k), dtype=np.float32) * np.float32(0.05))
     x = f32_to_bf16(rng.standard_normal((b, k), dtype=np.float32))
     bb = f32_to_bf16(rng.standard_normal(n, dtype=np.float32)) if bias else None
     out = cuda.device_array((b, n), np.uint16, stream=stream)
-    cfg = qgemv.QgemvConfig(route="mma")
+    cfg = qgemv.QgemvConfig(route="mma", mma_steps=steps)
     dbias = None if bb is None else to_dev(bb, stream)
+    qw = _quantized(kind, n, k)
     if kind == "int4":
-        qw = quantize_int4(w)
         qgemv.qgemv_int4(*(to_dev(a, stream) for a in qw), to_dev(x, stream), out, bias=dbias, stream=stream,
                          config=cfg)
         assert_close(get(out, stream), dequantize_int4(*qw), x, bb, qgemv.reference_int4(*qw, x, bb))
     else:
-        qw = quantize_mxfp4(w)
         qgemv.qgemv_mxfp4(*(to_dev(a, stream) for a in qw), to_dev(x, stream), out, bias=dbias, stream=stream,
                           config=cfg)
         assert_close(get(out, stream), dequantize_mxfp4(*qw), x, bb, qgemv.reference_mxfp4(*qw, x, bb))

@@ -55,7 +55,7 @@ def test_qgemv_int4_matches_reference(n, k, b, bias, threads, rpw, scale_dtype, 
     qw, x, bb, out = int4_case(n * k + b, n, k, b, bias, scale_dtype)
     qgemv.qgemv_int4(dev(qw.packed), dev(qw.scales), dev(qw.zeros), dev(x), out,
                      bias=None if bb is None else dev(bb),
-                     config=qgemv.QgemvConfig(threads=threads, rows_per_warp=rpw, tile_k=tile_k))
+                     config=qgemv.QgemvConfig(threads=threads, rows_per_warp=rpw, tile_k=tile_k, route="simt"))
     got = out.copy_to_host()
     check(got, dequantize_int4(*qw), x, bb)
     ref = qgemv.reference_int4(*qw, x, bb)
@@ -78,7 +78,7 @@ def test_qgemv_mxfp4_matches_reference(n, k, b, bias, threads, rpw, tile_k):
     bb = f32_to_bf16(rng.standard_normal(n).astype(np.float32)) if bias else None
     out = cuda.device_array((b, n), np.uint16)
     qgemv.qgemv_mxfp4(dev(qw.packed), dev(qw.scales), dev(x), out, bias=None if bb is None else dev(bb),
-                      config=qgemv.QgemvConfig(threads=threads, rows_per_warp=rpw, tile_k=tile_k))
+                      config=qgemv.QgemvConfig(threads=threads, rows_per_warp=rpw, tile_k=tile_k, route="simt"))
     got = out.copy_to_host()
     check(got, dequantize_mxfp4(*qw), x, bb)
     assert np.all(np.abs(got.astype(np.int32) - qgemv.reference_mxfp4(*qw, x, bb).astype(np.int32)) <= 1)
@@ -105,7 +105,7 @@ def test_qgemv_rejects_bad_shapes_and_types():
     with pytest.raises(ValueError, match="float16 or float32"):
         qgemv.qgemv_int4(dev(qw.packed), dev(qw.scales), dev(qw.zeros.astype(np.float32)), x, out)
     with pytest.raises(ValueError, match="tile_k"):
-        qgemv.qgemv_int4(dev(qw.packed), dev(qw.scales), dev(qw.zeros), x, out, config=qgemv.QgemvConfig(tile_k=100))
+        qgemv.qgemv_int4(dev(qw.packed), dev(qw.scales), dev(qw.zeros), x, out, config=qgemv.QgemvConfig(tile_k=100, route="simt"))
     with pytest.raises(ValueError, match="uint8 E8M0"):
         qgemv.qgemv_mxfp4(dev(qw.packed), dev(np.zeros((4, 8), np.float16)), x, out)
 
@@ -119,16 +119,16 @@ def test_qgemv_declares_no_workspace():
     assert qgemv.flops(n, k, 2) == 4 * n * k
 
 
-@pytest.mark.parametrize("n,k,b,bias,scale_dtype", [
-    (20, 640, 1, True, np.float16),    # 5 groups over 4 warps (one warp idles in its second round), two row tiles
-    (9, 256, 10, False, np.float32),   # batch 10: two column tiles of 8, the second clamped; N < 16
+@pytest.mark.parametrize("n,k,b,bias,scale_dtype,steps", [
+    (20, 640, 1, True, np.float16, 2),   # 5 groups, 4 warps x 2 loaded at once: 3 clamped idle slots; two row tiles
+    (9, 256, 10, False, np.float32, 1),  # batch 10: two column tiles of 8, the second clamped; N < 16
 ])
-def test_qgemv_int4_mma_route_matches_reference(n, k, b, bias, scale_dtype):
+def test_qgemv_int4_mma_route_matches_reference(n, k, b, bias, scale_dtype, steps):
     """The tensor-core route (kernels/qgemv_mma.py): packed bf16 pairs of nibbles (j, j + 4), zero point
     taken off by the packed fma, the mma emulated lane by lane with the PTX fragment layouts."""
     qw, x, bb, out = int4_case(n * k + b + 7, n, k, b, bias, scale_dtype)
     qgemv.qgemv_int4(dev(qw.packed), dev(qw.scales), dev(qw.zeros), dev(x), out,
-                     bias=None if bb is None else dev(bb), config=qgemv.QgemvConfig(route="mma"))
+                     bias=None if bb is None else dev(bb), config=qgemv.QgemvConfig(route="mma", mma_steps=steps))
     got = out.copy_to_host()
     check(got, dequantize_int4(*qw), x, bb)
     assert np.all(np.abs(got.astype(np.int32) - qgemv.reference_int4(*qw, x, bb).astype(np.int32)) <= 1)
@@ -137,11 +137,11 @@ def test_qgemv_int4_mma_route_matches_reference(n, k, b, bias, scale_dtype):
                          config=qgemv.QgemvConfig(route="wmma"))
 
 
-@pytest.mark.parametrize("n,k,b,bias", [
-    (20, 640, 1, True),     # 5 groups of 4 MX blocks over 4 warps, two row tiles, bias
-    (9, 256, 3, False),     # batch 3 in one column tile
+@pytest.mark.parametrize("n,k,b,bias,steps", [
+    (20, 640, 1, True, 4),  # 5 groups of 4 MX blocks, 4 warps x 4 loaded at once, two row tiles, bias
+    (9, 256, 3, False, 1),  # batch 3 in one column tile
 ])
-def test_qgemv_mxfp4_mma_route_matches_reference(n, k, b, bias):
+def test_qgemv_mxfp4_mma_route_matches_reference(n, k, b, bias, steps):
     """MXFP4 on the tensor-core route: E2M1 pairs placed as bf16 (subnormal for the smallest code), made
     exact by a packed fma with 2^126 and scaled by the lane's own E8M0 block scale before the mma."""
     rng = np.random.default_rng(n * k + b + 11)
@@ -153,7 +153,7 @@ def test_qgemv_mxfp4_mma_route_matches_reference(n, k, b, bias):
     bb = f32_to_bf16(rng.standard_normal(n).astype(np.float32)) if bias else None
     out = cuda.device_array((b, n), np.uint16)
     qgemv.qgemv_mxfp4(dev(qw.packed), dev(qw.scales), dev(x), out, bias=None if bb is None else dev(bb),
-                      config=qgemv.QgemvConfig(route="mma"))
+                      config=qgemv.QgemvConfig(route="mma", mma_steps=steps))
     got = out.copy_to_host()
     check(got, dequantize_mxfp4(*qw), x, bb)
     assert np.all(np.abs(got.astype(np.int32) - qgemv.reference_mxfp4(*qw, x, bb).astype(np.int32)) <= 1)
