@@ -52,7 +52,8 @@ class QgemvConfig:
     tile_k: int = 0          # 0: SMEM_X // batch_tile; else a multiple of 32 (tests use small tiles)
     route: str = "auto"      # "mma": kernels/qgemv_mma.py (tensor cores; K a multiple of 128, int4 zero points
                              # integers); "simt": this module's kernel; "auto": mma where K allows it, else simt
-    mma_steps: int = 4       # mma route: groups each warp loads before multiplying (1, 2, 4 or 8)
+    mma_steps: int = 1       # mma route: groups each warp loads before multiplying (1, 2, 4 or 8; 1 and 2 timed
+                             # equal on the H200, 4 and 8 slower: docs/BENCHMARKS.md)
 
 
 if SIM:
