@@ -6,13 +6,23 @@ how the interpreter happens to hand the GIL around, and the same test has been s
 than ten minutes. Here a barrier is a condition variable: the last thread to arrive (or to exit, since an
 exited thread no longer takes part, as on a GPU) releases the others, and the manager only joins its threads.
 Semantics are the simulator's own: a thread that raises aborts the block and the manager re-raises it.
+
+Also here: ``cuda.shared.array`` made atomic. The simulator's ``FakeCUDAShared.array`` looks the call site up in
+a dict and, when absent, creates the array and stores it: an unlocked check-then-act run by every thread of the
+block. A thread preempted between the check and the store lets another thread create a second array for the
+same call site; from then on the two threads use different "shared" memory (one of them uninitialised
+``np.empty``), and whatever they exchange through it is garbage: NaN or wrong values, rarely, and only under
+unlucky scheduling.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import numpy as np
+
+_shared_lock = threading.Lock()
 
 
 class _Block:
@@ -75,8 +85,31 @@ def _run(self, grid_point, *args):
         raise failed[0].exception[0].with_traceback(failed[0].exception[1])
 
 
+def _shared_array(self, shape, dtype, alignment=None):
+    """``FakeCUDAShared.array`` with the look-up, the creation and the store under one lock (same keys: the
+    caller's file and line, so every thread of a launch gets the one array of that call site)."""
+    from numba.core import types
+    from numba.np import numpy_support
+
+    if alignment is not None:
+        raise RuntimeError("Array alignment is not supported in cudasim")
+    if isinstance(dtype, types.Type):
+        dtype = numpy_support.as_dtype(dtype)
+    if shape == 0:      # dynamic shared memory: one buffer made with the launch, nothing to race on
+        count = self._dynshared_size // dtype.itemsize
+        return np.frombuffer(self._dynshared.data, dtype=dtype, count=count)
+    caller = sys._getframe(1)
+    key = (caller.f_code.co_filename, caller.f_lineno)
+    with _shared_lock:
+        res = self._allocations.get(key)
+        if res is None:
+            res = self._allocations[key] = np.empty(shape, dtype)
+    return res
+
+
 def install():
-    from numba.cuda.simulator import kernel
+    from numba.cuda.simulator import kernel, kernelapi
 
     kernel.BlockThread.syncthreads = _syncthreads
     kernel.BlockManager.run = _run
+    kernelapi.FakeCUDAShared.array = _shared_array
