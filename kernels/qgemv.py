@@ -54,6 +54,7 @@ class QgemvConfig:
                              # integers); "simt": this module's kernel; "auto": mma where K allows it, else simt
     mma_steps: int = 1       # mma route: groups each warp loads before multiplying (1, 2, 4 or 8; 1 and 2 timed
                              # equal on the H200, 4 and 8 slower: docs/BENCHMARKS.md)
+    mma_adjacent: bool = False  # mma route, steps > 1: a warp's groups consecutive in K, not WARPS apart
 
 
 if SIM:
@@ -218,7 +219,7 @@ def _launch(name, kind, packed, scales, zeros, x, out, bias, workspace, stream, 
     route = cfg.route if cfg.route != "auto" else "mma" if k % INT4_GROUP == 0 else "simt"
     if route == "mma":
         from . import qgemv_mma
-        qgemv_mma.launch(kind, packed, scales, zeros, x, out, bias, as_stream(stream), cfg.mma_steps)
+        qgemv_mma.launch(kind, packed, scales, zeros, x, out, bias, as_stream(stream), cfg.mma_steps, cfg.mma_adjacent)
         return
     threads, rpw, nb, kt = _auto(b, cfg)
     kern = _make(kind, nb, rpw, threads, bias is not None, kt)

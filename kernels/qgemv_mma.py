@@ -38,14 +38,16 @@ GROUP = 128
 
 
 @functools.lru_cache(maxsize=None)
-def make(kind: int, has_bias: bool, steps: int = 1):
+def make(kind: int, has_bias: bool, steps: int = 1, adjacent: bool = False):
     """``steps`` groups per warp are loaded before any is multiplied, so that many 16-byte loads of W per
-    lane are in flight at once (the kernel is bound by how much of HBM's latency it hides)."""
+    lane are in flight at once; ``adjacent``: a warp's groups of one step are consecutive in K (a longer
+    contiguous run per row) rather than ``WARPS`` groups apart (the block's warps side by side)."""
     from .qgemv import INT4, _ld16_ro
     MS0, MS1 = mh.SIM_MMA_SCRATCH          # simulator-only scratch (1 x 1 on the GPU)
     is_int4 = kind == INT4
     U = steps
     U4 = 4 * steps
+    ADJ = adjacent
 
     @mh.kernel(mh.THREADS)
     def qgemv_q4_mma(packed, scales, zeros, x, bias, y, n_rows, n_batch, k):
@@ -77,7 +79,7 @@ def make(kind: int, has_bias: bool, steps: int = 1):
         acc0 = acc1 = acc2 = acc3 = float32(0.0)
         for it in range((ng + W * U - 1) // (W * U)):  # the same trip count in every warp (the mma is warp-wide)
             for u in range(U):                   # all of this step's loads first
-                gc = min((it * U + u) * W + wid, ng - 1)
+                gc = min(((it * W + wid) * U + u) if ADJ else ((it * U + u) * W + wid), ng - 1)
                 o = 4 * u
                 wa[o], wa[o + 1], wa[o + 2], wa[o + 3] = _ld16_ro(packed, (ra, gc * 64 + 16 * t))
                 wb[o], wb[o + 1], wb[o + 2], wb[o + 3] = _ld16_ro(packed, (rb, gc * 64 + 16 * t))
@@ -96,7 +98,7 @@ def make(kind: int, has_bias: bool, steps: int = 1):
                     ca[u] = ea | (ea << uint32(16))
                     cb[u] = eb | (eb << uint32(16))
             for u in range(U):
-                gi = (it * U + u) * W + wid
+                gi = ((it * W + wid) * U + u) if ADJ else ((it * U + u) * W + wid)
                 gc = min(gi, ng - 1)
                 use_x = gi < ng and xc < n_batch
                 for om in range(4):
@@ -165,7 +167,7 @@ def _e2m1_pair(p, norm, scale):
     return mh.fma_bf16x2(mh.fma_bf16x2(raw, norm, uint32(0)), scale, uint32(0))
 
 
-def launch(kind, packed, scales, zeros, x, out, bias, stream, steps=1):
+def launch(kind, packed, scales, zeros, x, out, bias, stream, steps=1, adjacent=False):
     """Shapes checked by ``qgemv._launch``; x, out 2-D; ``zeros`` None for MXFP4; ``steps`` groups per
     warp loaded at once (1, 2, 4 or 8)."""
     n, b, k = packed.shape[0], x.shape[0], 2 * packed.shape[1]
@@ -173,7 +175,7 @@ def launch(kind, packed, scales, zeros, x, out, bias, stream, steps=1):
         raise ValueError(f"the mma route takes K in multiples of {GROUP}, got {k}")
     if steps not in (1, 2, 4, 8):
         raise ValueError(f"the mma route loads 1, 2, 4 or 8 groups per warp at once, got {steps}")
-    kern = make(kind, bias is not None, steps)
+    kern = make(kind, bias is not None, steps, bool(adjacent) and steps > 1)
     kern[(-(-n // ROWS), -(-b // COLS)), mh.THREADS, stream](
         packed, scales, scales if zeros is None else zeros, x, x if bias is None else bias, out, n, b, k)
 

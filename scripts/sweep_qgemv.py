@@ -25,6 +25,56 @@ H, I = 4096, 14336
 SHAPES = [(128, 4), (128, 2), (256, 2), (256, 4), (512, 2), (128, 8), (64, 4)]
 
 
+def context(nbytes):
+    """What memory-bound kernels reach at this byte count in the same run: torch copy_ of the same bytes
+    (read + write counted), a Numba kernel that only reads them (16-byte loads, 4 in flight per thread,
+    grid-stride), and the bf16 GEMV of ``kernels/gemv.py`` over a [3808, 4096] weight (31.2 MB)."""
+    from numba import cuda, uint32
+
+    from vmmstream.kernels import gemv
+    from vmmstream.kernels.launch import ld8_ro
+    rows = []
+    src = torch.zeros(nbytes // 2, dtype=torch.int16, device="cuda")
+    dst = torch.empty_like(src)
+    t = device_seconds(capture(lambda s: dst.copy_(src)))
+    rows.append(dict(kind="copy", us=t * 1e6, gbps=nbytes / t / 1e9))
+
+    @cuda.jit
+    def read_only(a, out):
+        n8 = a.shape[0] // 8
+        stride = cuda.gridDim.x * cuda.blockDim.x
+        i = cuda.grid(1)
+        acc = uint32(0)
+        while i + 3 * stride < n8:
+            w0 = ld8_ro(a, 8 * i)
+            w1 = ld8_ro(a, 8 * (i + stride))
+            w2 = ld8_ro(a, 8 * (i + 2 * stride))
+            w3 = ld8_ro(a, 8 * (i + 3 * stride))
+            acc ^= w0[0] ^ w1[1] ^ w2[2] ^ w3[3] ^ w0[3] ^ w1[2] ^ w2[1] ^ w3[0]
+            i += 4 * stride
+        while i < n8:
+            w0 = ld8_ro(a, 8 * i)
+            acc ^= w0[0] ^ w0[1] ^ w0[2] ^ w0[3]
+            i += stride
+        if acc == uint32(0x9E3779B9):           # never true for these bytes; keeps the loads
+            out[0] = acc
+
+    flag = cuda.device_array(1, np.uint32)
+    a = nb(torch.randint(0, 1 << 15, (nbytes // 2,), dtype=torch.int16, device="cuda"))
+    for blocks in (132 * 4, 132 * 8, 132 * 16):
+        t = device_seconds(capture(lambda s: read_only[blocks, 256, s](a, flag)))
+        rows.append(dict(kind="read_only", blocks=blocks, us=t * 1e6, gbps=nbytes / t / 1e9))
+    n = nbytes // (2 * H)
+    w = nb(torch.randn(n, H, device="cuda", dtype=torch.bfloat16))
+    x = nb(torch.randn(1, H, device="cuda", dtype=torch.bfloat16))
+    y = nb(torch.empty(1, n, device="cuda", dtype=torch.bfloat16))
+    t = device_seconds(capture(lambda s: gemv.gemv(w, x, y, stream=s)))
+    rows.append(dict(kind="bf16_gemv", n=n, us=t * 1e6, gbps=2 * n * H / t / 1e9))
+    for r in rows:
+        print(f"context {r['kind']:10s} {r.get('blocks', '')!s:5s} {r['us']:6.1f} us {r['gbps']:6.0f} GB/s", flush=True)
+    return rows
+
+
 def main(out):
     rng = np.random.default_rng(0)
     w = (rng.standard_normal((I, H)) * 0.02).astype(np.float32)
@@ -45,13 +95,15 @@ def main(out):
                              tinygemm_us=t_tg * 1e6))
             print(f"{kind:5s} threads {threads:3d} rows/warp {rpw}: {t * 1e6:6.1f} us {nbytes / t / 1e9:6.0f} GB/s"
                   f"  (tinygemm ratio {t / t_tg:.2f})", flush=True)
-        for steps in (1, 2, 4, 8):               # the tensor-core route (kernels/qgemv_mma.py), groups loaded at once
-            cfg = qgemv.QgemvConfig(route="mma", mma_steps=steps)
+        for steps, adj in ((1, False), (2, False), (4, False), (8, False), (2, True), (4, True)):
+            # the tensor-core route (kernels/qgemv_mma.py): groups loaded at once, consecutive or WARPS apart
+            cfg = qgemv.QgemvConfig(route="mma", mma_steps=steps, mma_adjacent=adj)
             t = device_seconds(capture(lambda s: fn(*parts, nb(x), nb(y), stream=s, config=cfg)))
-            rows.append(dict(kind=kind, route="mma", mma_steps=steps, us=t * 1e6, gbps=nbytes / t / 1e9,
-                             tinygemm_us=t_tg * 1e6))
-            print(f"{kind:5s} route mma, {steps} groups at once: {t * 1e6:6.1f} us {nbytes / t / 1e9:6.0f} GB/s"
-                  f"  (tinygemm ratio {t / t_tg:.2f})", flush=True)
+            rows.append(dict(kind=kind, route="mma", mma_steps=steps, mma_adjacent=adj, us=t * 1e6,
+                             gbps=nbytes / t / 1e9, tinygemm_us=t_tg * 1e6))
+            print(f"{kind:5s} route mma, {steps} groups at once{' (adjacent)' if adj else ''}: {t * 1e6:6.1f} us "
+                  f"{nbytes / t / 1e9:6.0f} GB/s  (tinygemm ratio {t / t_tg:.2f})", flush=True)
+    rows += context(nbytes)
     with open(out, "w") as f:
         json.dump(rows, f, indent=1)
 

@@ -119,16 +119,17 @@ def test_qgemv_declares_no_workspace():
     assert qgemv.flops(n, k, 2) == 4 * n * k
 
 
-@pytest.mark.parametrize("n,k,b,bias,scale_dtype,steps", [
-    (20, 640, 1, True, np.float16, 2),   # 5 groups, 4 warps x 2 loaded at once: 3 clamped idle slots; two row tiles
-    (9, 256, 10, False, np.float32, 1),  # batch 10: two column tiles of 8, the second clamped; N < 16
+@pytest.mark.parametrize("n,k,b,bias,scale_dtype,steps,adjacent", [
+    (20, 640, 1, True, np.float16, 2, False),  # 5 groups, 4 warps x 2 loaded at once: 3 clamped idle slots; two row tiles
+    (20, 1152, 1, False, np.float16, 2, True),  # 9 groups, a warp's 2 consecutive in K: 7 clamped idle slots
+    (9, 256, 10, False, np.float32, 1, False),  # batch 10: two column tiles of 8, the second clamped; N < 16
 ])
-def test_qgemv_int4_mma_route_matches_reference(n, k, b, bias, scale_dtype, steps):
+def test_qgemv_int4_mma_route_matches_reference(n, k, b, bias, scale_dtype, steps, adjacent):
     """The tensor-core route (kernels/qgemv_mma.py): packed bf16 pairs of nibbles (j, j + 4), zero point
     taken off by the packed fma, the mma emulated lane by lane with the PTX fragment layouts."""
     qw, x, bb, out = int4_case(n * k + b + 7, n, k, b, bias, scale_dtype)
     qgemv.qgemv_int4(dev(qw.packed), dev(qw.scales), dev(qw.zeros), dev(x), out,
-                     bias=None if bb is None else dev(bb), config=qgemv.QgemvConfig(route="mma", mma_steps=steps))
+                     bias=None if bb is None else dev(bb), config=qgemv.QgemvConfig(route="mma", mma_steps=steps, mma_adjacent=adjacent))
     got = out.copy_to_host()
     check(got, dequantize_int4(*qw), x, bb)
     assert np.all(np.abs(got.astype(np.int32) - qgemv.reference_int4(*qw, x, bb).astype(np.int32)) <= 1)
