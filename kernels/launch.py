@@ -9,9 +9,10 @@ Host side:
 Device side (identical call sites compiled and simulated):
 - ``ld8`` / ``ld8_ro`` / ``st8``: 8 bf16 at once as four uint32 words (word w = elements 2w | 2w+1 << 16).
   Compiled, they are one ``ld.global[.nc].v4.u32`` / ``st.global.v4.u32``; the caller guarantees 16-byte
-  alignment (``vec8_ok``). ``ld8_ro`` marks the load invariant (read-only cache path): use it only for
+  alignment (``vec8_ok``). ``ld4w`` / ``st4w``: the same 16 bytes as 4 words of a 1-D uint32 array (shared
+  memory staging), at an index that is a multiple of 4. ``ld8_ro`` marks the load invariant (read-only cache path): use it only for
   memory that no thread writes during the kernel (weights, inputs that are not also outputs).
-- ``warp_sum`` / ``warp_argmax`` / ``warp_incl_scan`` (and ``block_sum``): full-warp shuffle reductions
+- ``warp_any``: a full-warp vote. ``warp_sum`` / ``warp_argmax`` / ``warp_incl_scan`` (and ``block_sum``): full-warp shuffle reductions
   and scans (int32/int64/float values only: that is what ``shfl.sync`` takes). The simulator has no
   warp shuffles, so their twins exchange through a block-wide barrier; every thread of the block must
   therefore call them uniformly (the kernels here never return early before a reduction, which a
@@ -115,6 +116,19 @@ if SIM:
 
     ld8 = ld8_ro = _ld8
 
+    def ld4w(arr, i):
+        a = arr._ary if hasattr(arr, "_ary") else arr
+        w = np.asarray(a[int(i):int(i) + 4], dtype=np.uint32)
+        if a.dtype != np.uint32 or w.shape[0] != 4:
+            raise IndexError("ld4w: 4 uint32 words of a 1-D uint32 array")
+        return np.uint32(w[0]), np.uint32(w[1]), np.uint32(w[2]), np.uint32(w[3])
+
+    def st4w(arr, i, w0, w1, w2, w3):
+        a = arr._ary if hasattr(arr, "_ary") else arr
+        if a.dtype != np.uint32 or a[int(i):int(i) + 4].shape[0] != 4:
+            raise IndexError("st4w: 4 uint32 words of a 1-D uint32 array")
+        a[int(i):int(i) + 4] = np.array([w0, w1, w2, w3], dtype=np.uint32)
+
     def st8(arr, idx, w0, w1, w2, w3):
         a, base, j = _flat(arr, idx)
         w = np.array([w0, w1, w2, w3], dtype=np.uint32)
@@ -141,6 +155,9 @@ if SIM:
     def warp_sum(v):
         t = type(v)
         return t(sum(_warp_values(v), t(0)))
+
+    def warp_any(pred):
+        return any(bool(p) for p in _warp_values(bool(pred)))
 
     def warp_argmax(v, i):
         best_v, best_i = v, i
@@ -192,6 +209,11 @@ else:
 
     ld8 = _make_ld8(False)
     ld8_ro = _make_ld8(True)
+    ld4w = ld8       # the same 16-byte load, at element i of a 1-D uint32 array (shared memory too)
+
+    @cuda.jit(device=True, inline="always")
+    def st4w(arr, i, w0, w1, w2, w3):
+        st8(arr, i, w0, w1, w2, w3)
 
     @intrinsic
     def st8(typingctx, arr, idx, w0, w1, w2, w3):
@@ -215,6 +237,11 @@ else:
     @cuda.jit(device=True, inline="always")
     def f32_as_u32(f):
         return np.uint32(libdevice.float_as_int(f))
+
+    @cuda.jit(device=True, inline="always")
+    def warp_any(pred):
+        """True in every lane if ``pred`` holds in any lane (one ``vote.any``)."""
+        return cuda.any_sync(FULL_MASK, pred)
 
     @cuda.jit(device=True, inline="always")
     def warp_sum(v):

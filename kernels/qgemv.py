@@ -20,8 +20,8 @@ Decode is memory-bound and W is 4 bits a value, so the work per byte is 4x the b
 K must be a multiple of the group (128 for int4, 32 for MXFP4); x must allow 16-byte loads (``vec8_ok``):
 there is no scalar fallback.
 
-That is the ``simt`` route. Where K is a multiple of 128 the default (``route="auto"``) is the tensor-core
-route of ``kernels/qgemv_mma.py``, faster at the decode shapes on the H200 (docs/BENCHMARKS.md); it takes
+That is the ``simt`` route. Where K is a multiple of 128 and the weights are C-contiguous the default
+(``route="auto"``) is the tensor-core route of ``kernels/qgemv_mma.py``, faster at the decode shapes on the H200 (docs/BENCHMARKS.md); it takes
 int4 zero points as integers in [0, 15], which is what ``quantize_int4`` stores.
 """
 
@@ -52,17 +52,20 @@ class QgemvConfig:
     tile_k: int = 0          # 0: SMEM_X // batch_tile; else a multiple of 32 (tests use small tiles)
     route: str = "auto"      # "mma": kernels/qgemv_mma.py (tensor cores; K a multiple of 128, int4 zero points
                              # integers); "simt": this module's kernel; "auto": mma where K allows it, else simt
-    mma_steps: int = 1       # mma route: groups each warp loads before multiplying (1, 2, 4 or 8; 1 and 2 timed
-                             # equal on the H200, 4 and 8 slower: docs/BENCHMARKS.md)
-    mma_adjacent: bool = False  # mma route, steps > 1: a warp's groups consecutive in K, not WARPS apart
+    mma_prefetch: bool = True  # mma route: load the next group while multiplying the current one
 
 
 if SIM:
     def _ld16_ro(arr, idx):
-        """16 bytes of a uint8 row as four little-endian uint32 words (the simulator's twin)."""
+        """16 bytes of a uint8 row (or of a 1-D uint8 array) as four little-endian uint32 words (the
+        simulator's twin)."""
         a = arr._ary if hasattr(arr, "_ary") else arr
-        r, j = int(idx[0]), int(idx[1])
-        v = np.ascontiguousarray(a[r, j:j + 16], dtype=np.uint8)
+        if isinstance(idx, tuple):
+            r, j = int(idx[0]), int(idx[1])
+            v = np.ascontiguousarray(a[r, j:j + 16], dtype=np.uint8)
+        else:
+            j = int(idx)
+            v = np.ascontiguousarray(a[j:j + 16], dtype=np.uint8)
         if v.shape[0] != 16:
             raise IndexError("vector load past the end of the last axis")
         w = v.view(np.uint32)
@@ -216,10 +219,11 @@ def _launch(name, kind, packed, scales, zeros, x, out, bias, workspace, stream, 
     cfg = config or QgemvConfig()
     if cfg.route not in ("auto", "simt", "mma"):
         raise ValueError(f"{name}: route must be 'auto', 'simt' or 'mma', got {cfg.route!r}")
-    route = cfg.route if cfg.route != "auto" else "mma" if k % INT4_GROUP == 0 else "simt"
+    contiguous = packed.is_c_contiguous() and scales.is_c_contiguous() and (zeros is None or zeros.is_c_contiguous())
+    route = cfg.route if cfg.route != "auto" else "mma" if k % INT4_GROUP == 0 and contiguous else "simt"
     if route == "mma":
         from . import qgemv_mma
-        qgemv_mma.launch(kind, packed, scales, zeros, x, out, bias, as_stream(stream), cfg.mma_steps, cfg.mma_adjacent)
+        qgemv_mma.launch(kind, packed, scales, zeros, x, out, bias, as_stream(stream), cfg.mma_prefetch)
         return
     threads, rpw, nb, kt = _auto(b, cfg)
     kern = _make(kind, nb, rpw, threads, bias is not None, kt)

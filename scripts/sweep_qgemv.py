@@ -1,5 +1,5 @@
 """Sweep the quantized GEMVs' launch shape on a GPU: threads per block and rows per warp, int4 and MXFP4,
-and the tensor-core route at 1, 2, 4 and 8 groups loaded at once, 1×4096 · [14336, 4096]. Each setting is timed as 20 launches captured in one CUDA graph, CUDA events around
+and the tensor-core route with and without loading one group ahead, 1×4096 · [14336, 4096]. Each setting is timed as 20 launches captured in one CUDA graph, CUDA events around
 a replay (median of 5, the benchmarks' helpers); torch's tinygemm is timed the same way. Prints one line per
 setting and writes JSON to argv[1].
 
@@ -95,13 +95,13 @@ def main(out):
                              tinygemm_us=t_tg * 1e6))
             print(f"{kind:5s} threads {threads:3d} rows/warp {rpw}: {t * 1e6:6.1f} us {nbytes / t / 1e9:6.0f} GB/s"
                   f"  (tinygemm ratio {t / t_tg:.2f})", flush=True)
-        for steps, adj in ((1, False), (2, False), (4, False), (8, False), (2, True), (4, True)):
-            # the tensor-core route (kernels/qgemv_mma.py): groups loaded at once, consecutive or WARPS apart
-            cfg = qgemv.QgemvConfig(route="mma", mma_steps=steps, mma_adjacent=adj)
+        for prefetch in (True, False):
+            # the tensor-core route (kernels/qgemv_mma.py), with and without the one-group-ahead loads
+            cfg = qgemv.QgemvConfig(route="mma", mma_prefetch=prefetch)
             t = device_seconds(capture(lambda s: fn(*parts, nb(x), nb(y), stream=s, config=cfg)))
-            rows.append(dict(kind=kind, route="mma", mma_steps=steps, mma_adjacent=adj, us=t * 1e6,
+            rows.append(dict(kind=kind, route="mma", mma_prefetch=prefetch, us=t * 1e6,
                              gbps=nbytes / t / 1e9, tinygemm_us=t_tg * 1e6))
-            print(f"{kind:5s} route mma, {steps} groups at once{' (adjacent)' if adj else ''}: {t * 1e6:6.1f} us "
+            print(f"{kind:5s} route mma, prefetch {prefetch}: {t * 1e6:6.1f} us "
                   f"{nbytes / t / 1e9:6.0f} GB/s  (tinygemm ratio {t / t_tg:.2f})", flush=True)
     rows += context(nbytes)
     with open(out, "w") as f:

@@ -127,18 +127,17 @@ def _quantized(kind, n, k):
     return quantize_int4(w) if kind == "int4" else quantize_mxfp4(w)
 
 
-@pytest.mark.parametrize("steps,adjacent", [(1, False), (2, False), (4, False), (8, False), (2, True), (4, True)],
-                         ids=["s1", "s2", "s4", "s8", "s2adj", "s4adj"])
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "noprefetch"])
 @pytest.mark.parametrize("kind", ["int4", "mxfp4"])
 @pytest.mark.parametrize("n,k,b,bias", [(I, H, 1, False), (H, I, 1, True), (H, I, 11, False)])
-def test_qgemv_mma_route(stream, rng, kind, n, k, b, bias, steps, adjacent):
-    """The tensor-core route at Llama-8B MLP shapes, batch 1 and 11 (two column tiles), each number of
-    groups loaded at once and both group layouts, same bounds as the scalar route."""
+def test_qgemv_mma_route(stream, rng, kind, n, k, b, bias, prefetch):
+    """The tensor-core route at Llama-8B MLP shapes, batch 1 (x staged in 1 or 4 tiles) and 11 (two column
+    tiles), with and without the one-group-ahead loads, same bounds as the scalar route."""
     from numba import cuda
     x = f32_to_bf16(rng.standard_normal((b, k), dtype=np.float32))
     bb = f32_to_bf16(rng.standard_normal(n, dtype=np.float32)) if bias else None
     out = cuda.device_array((b, n), np.uint16, stream=stream)
-    cfg = qgemv.QgemvConfig(route="mma", mma_steps=steps, mma_adjacent=adjacent)
+    cfg = qgemv.QgemvConfig(route="mma", mma_prefetch=prefetch)
     dbias = None if bb is None else to_dev(bb, stream)
     qw = _quantized(kind, n, k)
     if kind == "int4":

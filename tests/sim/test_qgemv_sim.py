@@ -119,17 +119,19 @@ def test_qgemv_declares_no_workspace():
     assert qgemv.flops(n, k, 2) == 4 * n * k
 
 
-@pytest.mark.parametrize("n,k,b,bias,scale_dtype,steps,adjacent", [
-    (20, 640, 1, True, np.float16, 2, False),  # 5 groups, 4 warps x 2 loaded at once: 3 clamped idle slots; two row tiles
-    (20, 1152, 1, False, np.float16, 2, True),  # 9 groups, a warp's 2 consecutive in K: 7 clamped idle slots
-    (9, 256, 10, False, np.float32, 1, False),  # batch 10: two column tiles of 8, the second clamped; N < 16
+@pytest.mark.parametrize("n,k,b,bias,scale_dtype,prefetch", [
+    (20, 640, 1, True, np.float16, True),    # 5 groups over 4 warps: 3 clamped reloads meet staged zeros; 2 row tiles
+    (20, 4608, 1, False, np.float16, True),  # 36 groups: x staged in two tiles of 32 groups (the second partial)
+    (20, 640, 1, False, np.float16, False),  # loads at the top of each iteration
+    (9, 640, 10, False, np.float32, True),   # batch 10: two column tiles of 8 (tiles of 4 groups), N < 16
 ])
-def test_qgemv_int4_mma_route_matches_reference(n, k, b, bias, scale_dtype, steps, adjacent):
+def test_qgemv_int4_mma_route_matches_reference(n, k, b, bias, scale_dtype, prefetch):
     """The tensor-core route (kernels/qgemv_mma.py): packed bf16 pairs of nibbles (j, j + 4), zero point
-    taken off by the packed fma, the mma emulated lane by lane with the PTX fragment layouts."""
+    taken off by the packed fma, x staged in shared memory as the matching pairs, the mma emulated lane by
+    lane with the PTX fragment layouts."""
     qw, x, bb, out = int4_case(n * k + b + 7, n, k, b, bias, scale_dtype)
     qgemv.qgemv_int4(dev(qw.packed), dev(qw.scales), dev(qw.zeros), dev(x), out,
-                     bias=None if bb is None else dev(bb), config=qgemv.QgemvConfig(route="mma", mma_steps=steps, mma_adjacent=adjacent))
+                     bias=None if bb is None else dev(bb), config=qgemv.QgemvConfig(route="mma", mma_prefetch=prefetch))
     got = out.copy_to_host()
     check(got, dequantize_int4(*qw), x, bb)
     assert np.all(np.abs(got.astype(np.int32) - qgemv.reference_int4(*qw, x, bb).astype(np.int32)) <= 1)
@@ -138,23 +140,26 @@ def test_qgemv_int4_mma_route_matches_reference(n, k, b, bias, scale_dtype, step
                          config=qgemv.QgemvConfig(route="wmma"))
 
 
-@pytest.mark.parametrize("n,k,b,bias,steps", [
-    (20, 640, 1, True, 4),  # 5 groups of 4 MX blocks, 4 warps x 4 loaded at once, two row tiles, bias
-    (9, 256, 3, False, 1),  # batch 3 in one column tile
+@pytest.mark.parametrize("n,k,b,bias,prefetch", [
+    (20, 640, 1, True, True),    # 5 groups of 4 MX blocks over 4 warps, two row tiles, bias
+    (20, 640, 1, False, False),  # loads at the top of each iteration
+    (9, 256, 3, False, True),    # batch 3 in one column tile
 ])
-def test_qgemv_mxfp4_mma_route_matches_reference(n, k, b, bias, steps):
-    """MXFP4 on the tensor-core route: E2M1 pairs placed as bf16 (subnormal for the smallest code), made
-    exact by a packed fma with 2^126 and scaled by the lane's own E8M0 block scale before the mma."""
+def test_qgemv_mxfp4_mma_route_matches_reference(n, k, b, bias, prefetch):
+    """MXFP4 on the tensor-core route: E2M1 pairs placed as bf16 (value * 2^-126, subnormal for the
+    smallest code) and scaled exactly by one packed fma with 2^(e - 1); a warp holding a block scale above 2
+    (row 2's second block here) takes 2^126 then 2^(e - 127) for that group."""
     rng = np.random.default_rng(n * k + b + 11)
     w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
     w[1, :32] *= 1e-4                         # blocks with very different scales
     w[2, 32:64] *= 300.0
     qw = quantize_mxfp4(w)
+    assert (qw.scales > 128).any() and (qw.scales <= 128).any()   # both scale paths run
     x = make_x(rng, b, k)
     bb = f32_to_bf16(rng.standard_normal(n).astype(np.float32)) if bias else None
     out = cuda.device_array((b, n), np.uint16)
     qgemv.qgemv_mxfp4(dev(qw.packed), dev(qw.scales), dev(x), out, bias=None if bb is None else dev(bb),
-                      config=qgemv.QgemvConfig(route="mma", mma_steps=steps))
+                      config=qgemv.QgemvConfig(route="mma", mma_prefetch=prefetch))
     got = out.copy_to_host()
     check(got, dequantize_mxfp4(*qw), x, bb)
     assert np.all(np.abs(got.astype(np.int32) - qgemv.reference_mxfp4(*qw, x, bb).astype(np.int32)) <= 1)
