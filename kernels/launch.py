@@ -12,7 +12,7 @@ Device side (identical call sites compiled and simulated):
   alignment (``vec8_ok``). ``ld4w`` / ``st4w``: the same 16 bytes as 4 words of a 1-D uint32 array (shared
   memory staging), at an index that is a multiple of 4. ``ld8_ro`` marks the load invariant (read-only cache path): use it only for
   memory that no thread writes during the kernel (weights, inputs that are not also outputs).
-- ``warp_any``: a full-warp vote. ``warp_sum`` / ``warp_argmax`` / ``warp_incl_scan`` (and ``block_sum``): full-warp shuffle reductions
+- ``prefetch_l2``: warm L2 with the line of an element (a no-op in the simulator). ``warp_any``: a full-warp vote. ``warp_sum`` / ``warp_argmax`` / ``warp_incl_scan`` (and ``block_sum``): full-warp shuffle reductions
   and scans (int32/int64/float values only: that is what ``shfl.sync`` takes). The simulator has no
   warp shuffles, so their twins exchange through a block-wide barrier; every thread of the block must
   therefore call them uniformly (the kernels here never return early before a reduction, which a
@@ -123,6 +123,9 @@ if SIM:
             raise IndexError("ld4w: 4 uint32 words of a 1-D uint32 array")
         return np.uint32(w[0]), np.uint32(w[1]), np.uint32(w[2]), np.uint32(w[3])
 
+    def prefetch_l2(arr, i):
+        """No cache to warm in the simulator."""
+
     def st4w(arr, i, w0, w1, w2, w3):
         a = arr._ary if hasattr(arr, "_ary") else arr
         if a.dtype != np.uint32 or a[int(i):int(i) + 4].shape[0] != 4:
@@ -214,6 +217,21 @@ else:
     @cuda.jit(device=True, inline="always")
     def st4w(arr, i, w0, w1, w2, w3):
         st8(arr, i, w0, w1, w2, w3)
+
+    @intrinsic
+    def prefetch_l2(typingctx, arr, idx):
+        """``prefetch.global.L2`` of the line holding arr[idx]: no register, no wait."""
+        sig = types.void(arr, idx)
+
+        def codegen(context, builder, sig, args):
+            p = _elem_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            i64 = ir.IntType(64)
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i64]), "prefetch.global.L2 [$0];", "l",
+                               side_effect=True)
+            builder.call(asm, [builder.ptrtoint(p, i64)])
+            return context.get_dummy_value()
+
+        return sig, codegen
 
     @intrinsic
     def st8(typingctx, arr, idx, w0, w1, w2, w3):

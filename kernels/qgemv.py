@@ -53,6 +53,7 @@ class QgemvConfig:
     route: str = "auto"      # "mma": kernels/qgemv_mma.py (tensor cores; K a multiple of 128, int4 zero points
                              # integers); "simt": this module's kernel; "auto": mma where K allows it, else simt
     mma_prefetch: bool = True  # mma route: load the next group while multiplying the current one
+    mma_l2_ahead: int = 0    # mma route: prefetch.global.L2 the group this many iterations ahead (0: none)
 
 
 if SIM:
@@ -223,7 +224,8 @@ def _launch(name, kind, packed, scales, zeros, x, out, bias, workspace, stream, 
     route = cfg.route if cfg.route != "auto" else "mma" if k % INT4_GROUP == 0 and contiguous else "simt"
     if route == "mma":
         from . import qgemv_mma
-        qgemv_mma.launch(kind, packed, scales, zeros, x, out, bias, as_stream(stream), cfg.mma_prefetch)
+        qgemv_mma.launch(kind, packed, scales, zeros, x, out, bias, as_stream(stream), cfg.mma_prefetch,
+                         cfg.mma_l2_ahead)
         return
     threads, rpw, nb, kt = _auto(b, cfg)
     kern = _make(kind, nb, rpw, threads, bias is not None, kt)

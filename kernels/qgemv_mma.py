@@ -40,7 +40,7 @@ from numba import cuda, float32, uint32
 
 from . import mma_helpers as mh
 from .dtypes import dev_bf16_to_f32, dev_f32_to_bf16
-from .launch import ld4w, ld8_ro, st4w, warp_any
+from .launch import ld4w, ld8_ro, prefetch_l2, st4w, warp_any
 from .workspace import NONE
 
 CAPTURE_SAFE = True      # no allocation, no synchronize, device arrays only
@@ -102,9 +102,12 @@ def _group(is_int4, two, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, ca, cb, c2a, c2
 
 
 @functools.lru_cache(maxsize=None)
-def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True):
+def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ahead: int = 0, probe: bool = False):
     """``ncols``: columns of x staged per block, 1 (B = 1) or 8; ``prefetch``: load the next group's
-    chunks before multiplying the current one (False: at the top of each iteration, for comparison)."""
+    chunks before multiplying the current one (False: at the top of each iteration, for comparison);
+    ``l2_ahead``: also ``prefetch.global.L2`` the chunks of the group that many iterations ahead (0: none);
+    ``probe`` (measurement only, wrong results): the same loads, staging and loop with no decode and no mma,
+    the memory side of the kernel alone."""
     from .qgemv import INT4, _ld16_ro
     MS0, MS1 = mh.SIM_MMA_SCRATCH          # simulator-only scratch (1 x 1 on the GPU)
     is_int4 = kind == INT4
@@ -116,6 +119,8 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True):
     NCH = CW // 4                          # 8-value chunks per column and tile
     XSN = NC * CS
     PF = prefetch
+    L2A = l2_ahead
+    PROBE = probe
     u = uint32
 
     @mh.kernel((mh.THREADS, MIN_BLOCKS))
@@ -208,9 +213,17 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True):
                     ua, ub = float32(scales[sa0 + gc]), float32(scales[sb0 + gc])
                 else:
                     ea, eb = u(scales[sa0 + u(4) * gc]), u(scales[sb0 + u(4) * gc])
+            if L2A > 0:
+                gl = min(gi + u(L2A * W), ng1)
+                prefetch_l2(packed, wa0 + gl * u(64))
+                prefetch_l2(packed, wb0 + gl * u(64))
             # groups past K (the clamped reloads) meet staged zeros of x: they add nothing
             xo = xb + ((it % u(TI)) * u(W) + wid) * u(64)
-            if is_int4:                        # c: -(128 + zero) per row, the D scale after the group
+            if PROBE:                          # keep every load live, multiply nothing
+                xq0, xq1, xq2, xq3 = ld4w(xs, xo + xr0)
+                v = a0w ^ a1w ^ a2w ^ a3w ^ b0w ^ b1w ^ b2w ^ b3w ^ xq0 ^ xq3 ^ u(za + zb + ua + ub) ^ ea ^ eb
+                acc0 += float32(v & u(1))
+            elif is_int4:                        # c: -(128 + zero) per row, the D scale after the group
                 ca = mh.pack_bf16x2(-(za + float32(128.0)), -(za + float32(128.0)))
                 cb = mh.pack_bf16x2(-(zb + float32(128.0)), -(zb + float32(128.0)))
                 d0, d1, d2, d3 = _group(True, False, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, ca, cb, ca, cb,
@@ -259,14 +272,15 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True):
     return qgemv_q4_mma
 
 
-def launch(kind, packed, scales, zeros, x, out, bias, stream, prefetch=True):
-    """Shapes checked by ``qgemv._launch``; x, out 2-D; ``zeros`` None for MXFP4."""
+def launch(kind, packed, scales, zeros, x, out, bias, stream, prefetch=True, l2_ahead=0, probe=False):
+    """Shapes checked by ``qgemv._launch``; x, out 2-D; ``zeros`` None for MXFP4; ``l2_ahead`` and ``probe``
+    as in ``make`` (the sweep's measurements)."""
     n, b, k = packed.shape[0], x.shape[0], 2 * packed.shape[1]
     if k % GROUP:
         raise ValueError(f"the mma route takes K in multiples of {GROUP}, got {k}")
     if not (packed.is_c_contiguous() and scales.is_c_contiguous() and (zeros is None or zeros.is_c_contiguous())):
         raise ValueError("the mma route takes C-contiguous packed weights, scales and zeros")
-    kern = make(kind, bias is not None, 1 if b == 1 else COLS, bool(prefetch))
+    kern = make(kind, bias is not None, 1 if b == 1 else COLS, bool(prefetch), int(l2_ahead), bool(probe))
     flat = [a.reshape(a.shape[0] * a.shape[1]) for a in (packed, scales, scales if zeros is None else zeros)]
     kern[(-(-n // ROWS), -(-b // COLS)), mh.THREADS, stream](*flat, x, x if bias is None else bias, out, n, b, k)
 

@@ -1,5 +1,6 @@
 """Sweep the quantized GEMVs' launch shape on a GPU: threads per block and rows per warp, int4 and MXFP4,
-and the tensor-core route with and without loading one group ahead, 1×4096 · [14336, 4096]. Each setting is timed as 20 launches captured in one CUDA graph, CUDA events around
+and the tensor-core route with and without loading one group ahead, with an L2 prefetch further ahead, and
+its memory side alone (no decode, no mma), 1×4096 · [14336, 4096]. Each setting is timed as 20 launches captured in one CUDA graph, CUDA events around
 a replay (median of 5, the benchmarks' helpers); torch's tinygemm is timed the same way. Prints one line per
 setting and writes JSON to argv[1].
 
@@ -18,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 from test_bench_dense_kernels import capture, device_seconds, nb  # noqa: E402
 
-from vmmstream.kernels import qgemv  # noqa: E402
+from vmmstream.kernels import qgemv, qgemv_mma  # noqa: E402
 from vmmstream.kernels.quant import quantize_int4, quantize_mxfp4  # noqa: E402
 
 H, I = 4096, 14336
@@ -95,14 +96,17 @@ def main(out):
                              tinygemm_us=t_tg * 1e6))
             print(f"{kind:5s} threads {threads:3d} rows/warp {rpw}: {t * 1e6:6.1f} us {nbytes / t / 1e9:6.0f} GB/s"
                   f"  (tinygemm ratio {t / t_tg:.2f})", flush=True)
-        for prefetch in (True, False):
-            # the tensor-core route (kernels/qgemv_mma.py), with and without the one-group-ahead loads
-            cfg = qgemv.QgemvConfig(route="mma", mma_prefetch=prefetch)
-            t = device_seconds(capture(lambda s: fn(*parts, nb(x), nb(y), stream=s, config=cfg)))
-            rows.append(dict(kind=kind, route="mma", mma_prefetch=prefetch, us=t * 1e6,
-                             gbps=nbytes / t / 1e9, tinygemm_us=t_tg * 1e6))
-            print(f"{kind:5s} route mma, prefetch {prefetch}: {t * 1e6:6.1f} us "
-                  f"{nbytes / t / 1e9:6.0f} GB/s  (tinygemm ratio {t / t_tg:.2f})", flush=True)
+        for prefetch, l2, probe in ((True, 0, False), (False, 0, False), (True, 2, False), (True, 4, False),
+                                    (True, 0, True), (True, 4, True)):
+            # the tensor-core route (kernels/qgemv_mma.py): with and without the one-group-ahead loads, an L2
+            # prefetch l2 groups ahead, and the probe (the same loads and loop, no decode, no mma)
+            kid = qgemv.INT4 if kind == "int4" else qgemv.MXFP4
+            args = (parts[0], parts[1], parts[2] if kind == "int4" else None, nb(x), nb(y), None)
+            t = device_seconds(capture(lambda s: qgemv_mma.launch(kid, *args, s, prefetch, l2, probe)))
+            rows.append(dict(kind=kind, route="mma", mma_prefetch=prefetch, mma_l2_ahead=l2, probe=probe,
+                             us=t * 1e6, gbps=nbytes / t / 1e9, tinygemm_us=t_tg * 1e6))
+            print(f"{kind:5s} route mma, prefetch {prefetch}, L2 ahead {l2}{', PROBE (no math)' if probe else ''}: "
+                  f"{t * 1e6:6.1f} us {nbytes / t / 1e9:6.0f} GB/s  (tinygemm ratio {t / t_tg:.2f})", flush=True)
     rows += context(nbytes)
     with open(out, "w") as f:
         json.dump(rows, f, indent=1)
