@@ -24,9 +24,9 @@ pytestmark = pytest.mark.gpu
 H, I, E, K = 4096, 14336, 8, 2
 INT4_BAR, MX_BAR, MOE_BAR = 1.0, 0.70, 0.70
 # (route, groups per warp loaded at once): the scalar route and the tensor-core route at each depth
-ROUTES = pytest.mark.parametrize("route,prefetch,l2", [("simt", True, 0), ("mma", True, 0), ("mma", False, 0),
-                                                      ("mma", True, 2), ("mma", True, 4)],
-                                 ids=["simt", "mma", "mma-noprefetch", "mma-l2ahead2", "mma-l2ahead4"])
+ROUTES = pytest.mark.parametrize("route,prefetch,stages", [("simt", True, 0), ("mma", True, 0), ("mma", False, 0),
+                                                          ("mma", True, 3), ("mma", True, 4), ("mma", True, 5)],
+                                 ids=["simt", "mma", "mma-noprefetch", "mma-cpasync3", "mma-cpasync4", "mma-cpasync5"])
 
 
 def _quantized(kind, seed=0):
@@ -37,7 +37,7 @@ def _quantized(kind, seed=0):
 
 
 @ROUTES
-def test_bench_qgemv_int4_vs_tinygemm(benchmark, copy_ceiling, route, prefetch, l2):
+def test_bench_qgemv_int4_vs_tinygemm(benchmark, copy_ceiling, route, prefetch, stages):
     torch = _torch()
     from vmmstream.kernels import qgemv
     _, qw = _quantized("int4")
@@ -45,7 +45,7 @@ def test_bench_qgemv_int4_vs_tinygemm(benchmark, copy_ceiling, route, prefetch, 
     out = torch.empty(1, I, device="cuda", dtype=torch.bfloat16)
     parts = [torch.from_numpy(np.ascontiguousarray(a)).cuda() for a in qw]
     dparts = [nb(p) for p in parts]
-    cfg = qgemv.QgemvConfig(route=route, mma_prefetch=prefetch, mma_l2_ahead=l2)
+    cfg = qgemv.QgemvConfig(route=route, mma_prefetch=prefetch, mma_stages=stages)
     t = device_seconds(capture(lambda s: qgemv.qgemv_int4(*dparts, nb(x), nb(out), stream=s, config=cfg)), benchmark)
     # tinygemm: the same nibbles repacked its way, bf16 scale-and-zero [K/128, N, 2]
     wp = torch._convert_weight_to_int4pack(parts[0], 8)
@@ -54,21 +54,21 @@ def test_bench_qgemv_int4_vs_tinygemm(benchmark, copy_ceiling, route, prefetch, 
     nbytes = sum(a.nbytes for a in qw) + 2 * H + 2 * I
     info = record(benchmark, seconds=t, nbytes=nbytes, ceiling_gbps=copy_ceiling["torch_gbps"], ratio=t / t_tg,
                   bar=INT4_BAR, op="le", tinygemm_us=t_tg * 1e6)
-    benchmark.extra_info.update(route=route, mma_prefetch=prefetch, mma_l2_ahead=l2)
+    benchmark.extra_info.update(route=route, mma_prefetch=prefetch, mma_stages=stages)
     print(f"\nqgemv int4 ({route}) {info['device_us']:.1f} us vs tinygemm {t_tg * 1e6:.1f} us: ratio {t / t_tg:.3f}")
 
 
 @ROUTES
-def test_bench_qgemv_mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, l2):
+def test_bench_qgemv_mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages):
     torch = _torch()
     from vmmstream.kernels import qgemv
     _, qw = _quantized("mxfp4")
     x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(1, I, device="cuda", dtype=torch.bfloat16)
     dparts = [nb(torch.from_numpy(np.ascontiguousarray(a)).cuda()) for a in qw]
-    cfg = qgemv.QgemvConfig(route=route, mma_prefetch=prefetch, mma_l2_ahead=l2)
+    cfg = qgemv.QgemvConfig(route=route, mma_prefetch=prefetch, mma_stages=stages)
     t = device_seconds(capture(lambda s: qgemv.qgemv_mxfp4(*dparts, nb(x), nb(out), stream=s, config=cfg)), benchmark)
-    benchmark.extra_info.update(route=route, mma_prefetch=prefetch, mma_l2_ahead=l2)
+    benchmark.extra_info.update(route=route, mma_prefetch=prefetch, mma_stages=stages)
     nbytes = sum(a.nbytes for a in qw) + 2 * H + 2 * I
     ceil = copy_ceiling["torch_gbps"]
     # context, not the bar: a device copy of this GEMV's byte count (read + write counted, as the ceiling)

@@ -12,7 +12,8 @@ Device side (identical call sites compiled and simulated):
   alignment (``vec8_ok``). ``ld4w`` / ``st4w``: the same 16 bytes as 4 words of a 1-D uint32 array (shared
   memory staging), at an index that is a multiple of 4. ``ld8_ro`` marks the load invariant (read-only cache path): use it only for
   memory that no thread writes during the kernel (weights, inputs that are not also outputs).
-- ``prefetch_l2``: warm L2 with the line of an element (a no-op in the simulator). ``warp_any``: a full-warp vote. ``warp_sum`` / ``warp_argmax`` / ``warp_incl_scan`` (and ``block_sum``): full-warp shuffle reductions
+- ``cp_async16`` / ``cp_async_commit`` / ``cp_async_waiter(n)()``: asynchronous 16-byte copies global ->
+  shared (the simulator copies at once). ``prefetch_l2``: warm L2 with the line of an element (a no-op in the simulator). ``warp_any``: a full-warp vote. ``warp_sum`` / ``warp_argmax`` / ``warp_incl_scan`` (and ``block_sum``): full-warp shuffle reductions
   and scans (int32/int64/float values only: that is what ``shfl.sync`` takes). The simulator has no
   warp shuffles, so their twins exchange through a block-wide barrier; every thread of the block must
   therefore call them uniformly (the kernels here never return early before a reduction, which a
@@ -126,6 +127,24 @@ if SIM:
     def prefetch_l2(arr, i):
         """No cache to warm in the simulator."""
 
+    def cp_async16(dst, di, src, si):
+        """The simulator copies at once: 16 bytes of the 1-D uint8 ``src`` at byte si to words di..di+3 of
+        the 1-D uint32 ``dst``."""
+        d = dst._ary if hasattr(dst, "_ary") else dst
+        a = src._ary if hasattr(src, "_ary") else src
+        v = np.ascontiguousarray(a[int(si):int(si) + 16], dtype=np.uint8)
+        if v.shape[0] != 16 or d[int(di):int(di) + 4].shape[0] != 4:
+            raise IndexError("cp_async16 past the end of an array")
+        d[int(di):int(di) + 4] = v.view(np.uint32)
+
+    def cp_async_commit():
+        pass
+
+    def cp_async_waiter(n):
+        def wait():
+            pass
+        return wait
+
     def st4w(arr, i, w0, w1, w2, w3):
         a = arr._ary if hasattr(arr, "_ary") else arr
         if a.dtype != np.uint32 or a[int(i):int(i) + 4].shape[0] != 4:
@@ -217,6 +236,46 @@ else:
     @cuda.jit(device=True, inline="always")
     def st4w(arr, i, w0, w1, w2, w3):
         st8(arr, i, w0, w1, w2, w3)
+
+    @intrinsic
+    def cp_async16(typingctx, dst, di, src, si):
+        """``cp.async.cg.shared.global`` of 16 bytes: src[si] (global) -> dst[di] (a shared array)."""
+        sig = types.void(dst, di, src, si)
+
+        def codegen(context, builder, sig, args):
+            pd = _elem_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            ps = _elem_ptr(context, builder, sig.args[2], args[2], sig.args[3], args[3])
+            i64 = ir.IntType(64)
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i64, i64]),
+                               "{ .reg .u64 sa; cvta.to.shared.u64 sa, $0; cp.async.cg.shared.global [sa], [$1], 16; }",
+                               "l,l,~{memory}", side_effect=True)
+            builder.call(asm, [builder.ptrtoint(pd, i64), builder.ptrtoint(ps, i64)])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    def _asm_void(text):
+        @intrinsic
+        def impl(typingctx):
+            sig = types.void()
+
+            def codegen(context, builder, sig, args):
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}", side_effect=True)
+                builder.call(asm, [])
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return impl
+
+    cp_async_commit = _asm_void("cp.async.commit_group;")
+    _WAITS = {}
+
+    def cp_async_waiter(n):
+        """A device function that waits until at most ``n`` committed cp.async groups are pending."""
+        if n not in _WAITS:
+            _WAITS[n] = _asm_void(f"cp.async.wait_group {int(n)};")
+        return _WAITS[n]
 
     @intrinsic
     def prefetch_l2(typingctx, arr, idx):

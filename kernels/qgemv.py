@@ -54,6 +54,7 @@ class QgemvConfig:
                              # integers); "simt": this module's kernel; "auto": mma where K allows it, else simt
     mma_prefetch: bool = True  # mma route: load the next group while multiplying the current one
     mma_l2_ahead: int = 0    # mma route: prefetch.global.L2 the group this many iterations ahead (0: none)
+    mma_stages: int = 0      # mma route: > 1: W through a per-warp cp.async ring of this many groups (3, 4 or 5)
 
 
 if SIM:
@@ -225,7 +226,7 @@ def _launch(name, kind, packed, scales, zeros, x, out, bias, workspace, stream, 
     if route == "mma":
         from . import qgemv_mma
         qgemv_mma.launch(kind, packed, scales, zeros, x, out, bias, as_stream(stream), cfg.mma_prefetch,
-                         cfg.mma_l2_ahead)
+                         cfg.mma_l2_ahead, stages=cfg.mma_stages)
         return
     threads, rpw, nb, kt = _auto(b, cfg)
     kern = _make(kind, nb, rpw, threads, bias is not None, kt)

@@ -40,7 +40,7 @@ from numba import cuda, float32, uint32
 
 from . import mma_helpers as mh
 from .dtypes import dev_bf16_to_f32, dev_f32_to_bf16
-from .launch import ld4w, ld8_ro, prefetch_l2, st4w, warp_any
+from .launch import cp_async16, cp_async_commit, cp_async_waiter, ld4w, ld8_ro, prefetch_l2, st4w, warp_any
 from .workspace import NONE
 
 CAPTURE_SAFE = True      # no allocation, no synchronize, device arrays only
@@ -102,12 +102,15 @@ def _group(is_int4, two, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, ca, cb, c2a, c2
 
 
 @functools.lru_cache(maxsize=None)
-def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ahead: int = 0, probe: bool = False):
+def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ahead: int = 0, probe: bool = False,
+         stages: int = 0):
     """``ncols``: columns of x staged per block, 1 (B = 1) or 8; ``prefetch``: load the next group's
     chunks before multiplying the current one (False: at the top of each iteration, for comparison);
     ``l2_ahead``: also ``prefetch.global.L2`` the chunks of the group that many iterations ahead (0: none);
     ``probe`` (measurement only, wrong results): the same loads, staging and loop with no decode and no mma,
-    the memory side of the kernel alone."""
+    the memory side of the kernel alone; ``stages`` > 1: W's chunks go through a per-warp ring of that many
+    groups in shared memory by ``cp.async`` (``stages - 1`` groups in flight while one is multiplied, no
+    registers held for them); 0: loaded into registers (one group ahead with ``prefetch``)."""
     from .qgemv import INT4, _ld16_ro
     MS0, MS1 = mh.SIM_MMA_SCRATCH          # simulator-only scratch (1 x 1 on the GPU)
     is_int4 = kind == INT4
@@ -121,6 +124,10 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
     PF = prefetch
     L2A = l2_ahead
     PROBE = probe
+    S = stages
+    CPA = S > 1
+    RING = W * S * 2 * 128 if CPA else 4   # words: per warp and stage, rows g and g + 8, 16 bytes a lane
+    WAIT = cp_async_waiter(S - 1 if CPA else 0)
     u = uint32
 
     @mh.kernel((mh.THREADS, MIN_BLOCKS))
@@ -154,13 +161,23 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
         scratch = cuda.shared.array((MS0, MS1), np.float64)
         xs = cuda.shared.array(XSN, np.uint32)
         red = cuda.shared.array((W, 32, 4), np.float32)
+        ring = cuda.shared.array(RING, np.uint32)
+        slot = (wid * u(S) * u(2)) * u(128) + lane * u(4)   # + (stage * 2 + row half) * 128
         lo16, hi16 = u(0xFFFF), u(0xFFFF0000)
         n_it = (ng + u(W - 1)) // u(W)         # the same trip count in every warp (the mma is warp-wide)
         acc0 = acc1 = acc2 = acc3 = float32(0.0)
         # the first group's loads (with prefetch: then always one group ahead)
         gc = min(wid, ng1)
-        pa0, pa1, pa2, pa3 = _ld16_ro(packed, wa0 + gc * u(64))
-        pb0, pb1, pb2, pb3 = _ld16_ro(packed, wb0 + gc * u(64))
+        if CPA:                                # stages 0 .. S - 2 in flight before the loop
+            pa0 = pa1 = pa2 = pa3 = pb0 = pb1 = pb2 = pb3 = u(0)
+            for q in range(S - 1):
+                gq = min(u(q * W) + wid, ng1)
+                cp_async16(ring, slot + u(2 * q * 128), packed, wa0 + gq * u(64))
+                cp_async16(ring, slot + u((2 * q + 1) * 128), packed, wb0 + gq * u(64))
+                cp_async_commit()
+        else:
+            pa0, pa1, pa2, pa3 = _ld16_ro(packed, wa0 + gc * u(64))
+            pb0, pb1, pb2, pb3 = _ld16_ro(packed, wb0 + gc * u(64))
         qa = qb = sa = sb = float32(0.0)       # int4: zero points and scales of the loaded group
         na = nb = u(0)                         # mxfp4: the lane's E8M0 exponents of the loaded group
         if is_int4:
@@ -191,7 +208,24 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                     e += u(mh.THREADS)
                 cuda.syncthreads()
             gi = it * u(W) + wid
-            if PF:
+            if CPA:                            # issue stage it + S - 1, wait for stage it, read it
+                gq = min(gi + u((S - 1) * W), ng1)
+                sq = ((it + u(S - 1)) % u(S)) * u(256)
+                cp_async16(ring, slot + sq, packed, wa0 + gq * u(64))
+                cp_async16(ring, slot + sq + u(128), packed, wb0 + gq * u(64))
+                cp_async_commit()
+                WAIT()
+                sc = (it % u(S)) * u(256)
+                a0w, a1w, a2w, a3w = ld4w(ring, slot + sc)
+                b0w, b1w, b2w, b3w = ld4w(ring, slot + sc + u(128))
+                za, zb, ua, ub, ea, eb = qa, qb, sa, sb, na, nb
+                gn = min(gi + u(W), ng1)       # scales: one group ahead in registers (mostly L1 hits)
+                if is_int4:
+                    qa, qb = float32(zeros[sa0 + gn]), float32(zeros[sb0 + gn])
+                    sa, sb = float32(scales[sa0 + gn]), float32(scales[sb0 + gn])
+                else:
+                    na, nb = u(scales[sa0 + u(4) * gn]), u(scales[sb0 + u(4) * gn])
+            elif PF:
                 a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w = pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3
                 za, zb, ua, ub, ea, eb = qa, qb, sa, sb, na, nb
                 gn = min(gi + u(W), ng1)       # the last iteration reloads a group that is still cached
@@ -272,15 +306,17 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
     return qgemv_q4_mma
 
 
-def launch(kind, packed, scales, zeros, x, out, bias, stream, prefetch=True, l2_ahead=0, probe=False):
+def launch(kind, packed, scales, zeros, x, out, bias, stream, prefetch=True, l2_ahead=0, probe=False, stages=0):
     """Shapes checked by ``qgemv._launch``; x, out 2-D; ``zeros`` None for MXFP4; ``l2_ahead`` and ``probe``
     as in ``make`` (the sweep's measurements)."""
     n, b, k = packed.shape[0], x.shape[0], 2 * packed.shape[1]
     if k % GROUP:
         raise ValueError(f"the mma route takes K in multiples of {GROUP}, got {k}")
+    if stages not in (0, 1, 2, 3, 4, 5):
+        raise ValueError(f"the mma route's cp.async ring takes 2 to 5 stages (0: none), got {stages}")
     if not (packed.is_c_contiguous() and scales.is_c_contiguous() and (zeros is None or zeros.is_c_contiguous())):
         raise ValueError("the mma route takes C-contiguous packed weights, scales and zeros")
-    kern = make(kind, bias is not None, 1 if b == 1 else COLS, bool(prefetch), int(l2_ahead), bool(probe))
+    kern = make(kind, bias is not None, 1 if b == 1 else COLS, bool(prefetch), int(l2_ahead), bool(probe), int(stages))
     flat = [a.reshape(a.shape[0] * a.shape[1]) for a in (packed, scales, scales if zeros is None else zeros)]
     kern[(-(-n // ROWS), -(-b // COLS)), mh.THREADS, stream](*flat, x, x if bias is None else bias, out, n, b, k)
 

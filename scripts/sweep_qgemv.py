@@ -1,5 +1,5 @@
 """Sweep the quantized GEMVs' launch shape on a GPU: threads per block and rows per warp, int4 and MXFP4,
-and the tensor-core route with and without loading one group ahead, with an L2 prefetch further ahead, and
+and the tensor-core route with and without loading one group ahead, with W through a cp.async ring, and
 its memory side alone (no decode, no mma), 1×4096 · [14336, 4096]. Each setting is timed as 20 launches captured in one CUDA graph, CUDA events around
 a replay (median of 5, the benchmarks' helpers); torch's tinygemm is timed the same way. Prints one line per
 setting and writes JSON to argv[1].
@@ -96,16 +96,18 @@ def main(out):
                              tinygemm_us=t_tg * 1e6))
             print(f"{kind:5s} threads {threads:3d} rows/warp {rpw}: {t * 1e6:6.1f} us {nbytes / t / 1e9:6.0f} GB/s"
                   f"  (tinygemm ratio {t / t_tg:.2f})", flush=True)
-        for prefetch, l2, probe in ((True, 0, False), (False, 0, False), (True, 2, False), (True, 4, False),
-                                    (True, 0, True), (True, 4, True)):
-            # the tensor-core route (kernels/qgemv_mma.py): with and without the one-group-ahead loads, an L2
-            # prefetch l2 groups ahead, and the probe (the same loads and loop, no decode, no mma)
+        for prefetch, l2, probe, stages in ((True, 0, False, 0), (False, 0, False, 0), (True, 0, True, 0),
+                                            (True, 0, False, 3), (True, 0, False, 4), (True, 0, False, 5),
+                                            (True, 0, True, 4)):
+            # the tensor-core route (kernels/qgemv_mma.py): with and without the one-group-ahead loads, W through
+            # a cp.async ring, and the probe (the same loads and loop, no decode, no mma)
             kid = qgemv.INT4 if kind == "int4" else qgemv.MXFP4
             args = (parts[0], parts[1], parts[2] if kind == "int4" else None, nb(x), nb(y), None)
-            t = device_seconds(capture(lambda s: qgemv_mma.launch(kid, *args, s, prefetch, l2, probe)))
-            rows.append(dict(kind=kind, route="mma", mma_prefetch=prefetch, mma_l2_ahead=l2, probe=probe,
+            t = device_seconds(capture(lambda s: qgemv_mma.launch(kid, *args, s, prefetch, l2, probe, stages)))
+            rows.append(dict(kind=kind, route="mma", mma_prefetch=prefetch, mma_l2_ahead=l2, probe=probe, mma_stages=stages,
                              us=t * 1e6, gbps=nbytes / t / 1e9, tinygemm_us=t_tg * 1e6))
-            print(f"{kind:5s} route mma, prefetch {prefetch}, L2 ahead {l2}{', PROBE (no math)' if probe else ''}: "
+            print(f"{kind:5s} route mma, prefetch {prefetch}, L2 ahead {l2}, cp.async stages {stages}"
+                  f"{', PROBE (no math)' if probe else ''}: "
                   f"{t * 1e6:6.1f} us {nbytes / t / 1e9:6.0f} GB/s  (tinygemm ratio {t / t_tg:.2f})", flush=True)
     rows += context(nbytes)
     with open(out, "w") as f:

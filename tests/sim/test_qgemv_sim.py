@@ -119,19 +119,21 @@ def test_qgemv_declares_no_workspace():
     assert qgemv.flops(n, k, 2) == 4 * n * k
 
 
-@pytest.mark.parametrize("n,k,b,bias,scale_dtype,prefetch", [
-    (20, 640, 1, True, np.float16, True),    # 5 groups over 4 warps: 3 clamped reloads meet staged zeros; 2 row tiles
-    (20, 4608, 1, False, np.float16, True),  # 36 groups: x staged in two tiles of 32 groups (the second partial)
-    (20, 640, 1, False, np.float16, False),  # loads at the top of each iteration
-    (9, 640, 10, False, np.float32, True),   # batch 10: two column tiles of 8 (tiles of 4 groups), N < 16
+@pytest.mark.parametrize("n,k,b,bias,scale_dtype,prefetch,stages", [
+    (20, 640, 1, True, np.float16, True, 0),    # 5 groups over 4 warps: 3 clamped reloads meet staged zeros; 2 row tiles
+    (20, 4608, 1, False, np.float16, True, 0),  # 36 groups: x staged in two tiles of 32 groups (the second partial)
+    (20, 640, 1, False, np.float16, False, 0),  # loads at the top of each iteration
+    (20, 2560, 1, False, np.float16, True, 4),  # W through a cp.async ring of 4 stages, 5 iterations (wraps)
+    (9, 640, 10, False, np.float32, True, 3),   # batch 10: two column tiles of 8 (tiles of 4 groups), N < 16; ring of 3
 ])
-def test_qgemv_int4_mma_route_matches_reference(n, k, b, bias, scale_dtype, prefetch):
+def test_qgemv_int4_mma_route_matches_reference(n, k, b, bias, scale_dtype, prefetch, stages):
     """The tensor-core route (kernels/qgemv_mma.py): packed bf16 pairs of nibbles (j, j + 4), zero point
     taken off by the packed fma, x staged in shared memory as the matching pairs, the mma emulated lane by
     lane with the PTX fragment layouts."""
     qw, x, bb, out = int4_case(n * k + b + 7, n, k, b, bias, scale_dtype)
     qgemv.qgemv_int4(dev(qw.packed), dev(qw.scales), dev(qw.zeros), dev(x), out,
-                     bias=None if bb is None else dev(bb), config=qgemv.QgemvConfig(route="mma", mma_prefetch=prefetch))
+                     bias=None if bb is None else dev(bb),
+                     config=qgemv.QgemvConfig(route="mma", mma_prefetch=prefetch, mma_stages=stages))
     got = out.copy_to_host()
     check(got, dequantize_int4(*qw), x, bb)
     assert np.all(np.abs(got.astype(np.int32) - qgemv.reference_int4(*qw, x, bb).astype(np.int32)) <= 1)
@@ -140,12 +142,13 @@ def test_qgemv_int4_mma_route_matches_reference(n, k, b, bias, scale_dtype, pref
                          config=qgemv.QgemvConfig(route="wmma"))
 
 
-@pytest.mark.parametrize("n,k,b,bias,prefetch", [
-    (20, 640, 1, True, True),    # 5 groups of 4 MX blocks over 4 warps, two row tiles, bias
-    (20, 640, 1, False, False),  # loads at the top of each iteration
-    (9, 256, 3, False, True),    # batch 3 in one column tile
+@pytest.mark.parametrize("n,k,b,bias,prefetch,stages", [
+    (20, 640, 1, True, True, 0),    # 5 groups of 4 MX blocks over 4 warps, two row tiles, bias
+    (20, 640, 1, False, False, 0),  # loads at the top of each iteration
+    (20, 1664, 1, False, True, 3),  # W through a cp.async ring of 3 stages, 4 iterations (wraps)
+    (9, 256, 3, False, True, 0),    # batch 3 in one column tile
 ])
-def test_qgemv_mxfp4_mma_route_matches_reference(n, k, b, bias, prefetch):
+def test_qgemv_mxfp4_mma_route_matches_reference(n, k, b, bias, prefetch, stages):
     """MXFP4 on the tensor-core route: E2M1 pairs placed as bf16 (value * 2^-126, subnormal for the
     smallest code) and scaled exactly by one packed fma with 2^(e - 1); a warp holding a block scale above 2
     (row 2's second block here) takes 2^126 then 2^(e - 127) for that group."""
@@ -159,7 +162,7 @@ def test_qgemv_mxfp4_mma_route_matches_reference(n, k, b, bias, prefetch):
     bb = f32_to_bf16(rng.standard_normal(n).astype(np.float32)) if bias else None
     out = cuda.device_array((b, n), np.uint16)
     qgemv.qgemv_mxfp4(dev(qw.packed), dev(qw.scales), dev(x), out, bias=None if bb is None else dev(bb),
-                      config=qgemv.QgemvConfig(route="mma", mma_prefetch=prefetch))
+                      config=qgemv.QgemvConfig(route="mma", mma_prefetch=prefetch, mma_stages=stages))
     got = out.copy_to_host()
     check(got, dequantize_mxfp4(*qw), x, bb)
     assert np.all(np.abs(got.astype(np.int32) - qgemv.reference_mxfp4(*qw, x, bb).astype(np.int32)) <= 1)
