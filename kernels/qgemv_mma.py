@@ -3,8 +3,9 @@
 
 The scalar route (``kernels/qgemv.py``) spends several integer and float instructions per 4-bit value;
 here two values become one packed bf16 pair in a few bit operations and one packed fma, and the tensor
-core does the multiply-adds. At the decode shapes the kernel is bound by instruction issue and by the
-latency of each warp's loads, not by bytes, so the layout is chosen to keep both low:
+core does the multiply-adds. At the decode shapes the loads alone run near the copy rate (the sweep's probe,
+docs/BENCHMARKS.md); what costs is the decode and mma work that the loads do not hide, so the layout keeps
+the instructions per value low:
 
 - a block is 4 warps over 16 rows of W and up to 8 columns of x (the batch; B = 1 leaves 7 idle); warp w
   takes the int4 groups (128 values) w, w + 4, ... and the warps' partial sums meet in shared memory at the
