@@ -9,11 +9,15 @@ Host side:
 Device side (identical call sites compiled and simulated):
 - ``ld8`` / ``ld8_ro`` / ``st8``: 8 bf16 at once as four uint32 words (word w = elements 2w | 2w+1 << 16).
   Compiled, they are one ``ld.global[.nc].v4.u32`` / ``st.global.v4.u32``; the caller guarantees 16-byte
-  alignment (``vec8_ok``). ``ld4w`` / ``st4w``: the same 16 bytes as 4 words of a 1-D uint32 array (shared
-  memory staging), at an index that is a multiple of 4. ``ld8_ro`` marks the load invariant (read-only cache path): use it only for
+  alignment (``vec8_ok``). ``ld8_ro`` marks the load invariant (read-only cache path): use it only for
   memory that no thread writes during the kernel (weights, inputs that are not also outputs).
+- ``ld4w`` / ``st4w``: the same 16 bytes as 4 words of a 1-D uint32 array (shared-memory staging), at an
+  index that is a multiple of 4.
 - ``cp_async16`` / ``cp_async_commit`` / ``cp_async_waiter(n)()``: asynchronous 16-byte copies global ->
-  shared (the simulator copies at once). ``prefetch_l2``: warm L2 with the line of an element (a no-op in the simulator). ``warp_any``: a full-warp vote. ``warp_sum`` / ``warp_argmax`` / ``warp_incl_scan`` (and ``block_sum``): full-warp shuffle reductions
+  shared (the simulator copies at once). ``prefetch_l2``: warm L2 with the line of an element (a no-op in
+  the simulator).
+- ``warp_any``: a full-warp vote. ``warp_sum`` / ``warp_argmax`` / ``warp_incl_scan`` (and ``block_sum``):
+  full-warp shuffle reductions
   and scans (int32/int64/float values only: that is what ``shfl.sync`` takes). The simulator has no
   warp shuffles, so their twins exchange through a block-wide barrier; every thread of the block must
   therefore call them uniformly (the kernels here never return early before a reduction, which a
