@@ -27,6 +27,12 @@ INT4_BAR, MX_BAR, MOE_BAR = 1.0, 0.70, 0.70
 ROUTES = pytest.mark.parametrize("route,prefetch,stages", [("simt", True, 0), ("mma", True, 0), ("mma", False, 0),
                                                           ("mma", True, 3), ("mma", True, 4), ("mma", True, 5)],
                                  ids=["simt", "mma", "mma-noprefetch", "mma-cpasync3", "mma-cpasync4", "mma-cpasync5"])
+# MXFP4 at batch 1 also has the f16 tensor-core route (kernels/qgemv_mx16.py), its default
+MX_ROUTES = pytest.mark.parametrize("route,prefetch,stages", [("simt", True, 0), ("mma", True, 0), ("mma", False, 0),
+                                                             ("mma", True, 3), ("mma", True, 4), ("mma", True, 5),
+                                                             ("mx16", True, 0)],
+                                    ids=["simt", "mma", "mma-noprefetch", "mma-cpasync3", "mma-cpasync4",
+                                         "mma-cpasync5", "mx16"])
 
 
 def _quantized(kind, seed=0):
@@ -58,7 +64,7 @@ def test_bench_qgemv_int4_vs_tinygemm(benchmark, copy_ceiling, route, prefetch, 
     print(f"\nqgemv int4 ({route}) {info['device_us']:.1f} us vs tinygemm {t_tg * 1e6:.1f} us: ratio {t / t_tg:.3f}")
 
 
-@ROUTES
+@MX_ROUTES
 def test_bench_qgemv_mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages):
     torch = _torch()
     from vmmstream.kernels import qgemv

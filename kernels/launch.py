@@ -16,6 +16,9 @@ Device side (identical call sites compiled and simulated):
 - ``cp_async16`` / ``cp_async_commit`` / ``cp_async_waiter(n)()``: asynchronous 16-byte copies global ->
   shared (the simulator copies at once). ``prefetch_l2``: warm L2 with the line of an element (a no-op in
   the simulator).
+- ``ld1w_ro``: one word of a read-only 1-D uint32 array (``ld.global.nc``). ``u32_add`` / ``u32_mad``: index
+  arithmetic in 32 bits (Numba widens uint32 operands to 64 bits, which costs carry and compare pairs in
+  hot loops). ``f32_as_u32`` / ``u32_as_f32``: bit casts.
 - ``warp_any``: a full-warp vote. ``warp_sum`` / ``warp_argmax`` / ``warp_incl_scan`` (and ``block_sum``):
   full-warp shuffle reductions
   and scans (int32/int64/float values only: that is what ``shfl.sync`` takes). The simulator has no
@@ -202,6 +205,21 @@ if SIM:
     def f32_as_u32(f):
         return np.float32(f).view(np.uint32)
 
+    def u32_as_f32(w):
+        return np.uint32(w).view(np.float32)
+
+    def u32_add(a, b):
+        return np.uint32((int(a) + int(b)) & 0xFFFFFFFF)
+
+    def u32_mad(a, b, c):
+        return np.uint32((int(a) * int(b) + int(c)) & 0xFFFFFFFF)
+
+    def ld1w_ro(arr, i):
+        a = arr._ary if hasattr(arr, "_ary") else arr
+        if a.dtype != np.uint32:
+            raise IndexError("ld1w_ro: a word of a 1-D uint32 array")
+        return np.uint32(a[int(i)])
+
 else:
     from llvmlite import ir
     from numba import types
@@ -318,6 +336,35 @@ else:
     @cuda.jit(device=True, inline="always")
     def f32_as_u32(f):
         return np.uint32(libdevice.float_as_int(f))
+
+    @cuda.jit(device=True, inline="always")
+    def u32_as_f32(w):
+        return libdevice.int_as_float(np.int32(w))
+
+    @intrinsic
+    def u32_add(typingctx, a, b):
+        """a + b in 32-bit arithmetic (wrapping), where Numba would widen uint32 operands to 64 bits."""
+        sig = types.uint32(types.uint32, types.uint32)
+        return sig, lambda context, builder, sig, args: builder.add(args[0], args[1])
+
+    @intrinsic
+    def u32_mad(typingctx, a, b, c):
+        """a * b + c in 32-bit arithmetic (wrapping)."""
+        sig = types.uint32(types.uint32, types.uint32, types.uint32)
+        return sig, lambda context, builder, sig, args: builder.add(builder.mul(args[0], args[1]), args[2])
+
+    @intrinsic
+    def ld1w_ro(typingctx, arr, idx):
+        """One uint32 of a read-only 1-D uint32 array through the read-only data cache (``ld.global.nc``)."""
+        sig = types.uint32(arr, idx)
+
+        def codegen(context, builder, sig, args):
+            p = _elem_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            v = builder.load(p, align=4)
+            v.set_metadata("invariant.load", builder.module.add_metadata([]))
+            return v
+
+        return sig, codegen
 
     @cuda.jit(device=True, inline="always")
     def warp_any(pred):

@@ -228,3 +228,131 @@ else:
     def quad_sum(v, scratch):
         v = v + cuda.shfl_xor_sync(0xFFFFFFFF, v, 1)
         return v + cuda.shfl_xor_sync(0xFFFFFFFF, v, 2)
+
+
+# ----------------------------------------------------------------------------------------- f16 / fp8
+# Helpers of the MXFP4 GEMV on f16 tensor cores (``kernels/qgemv_mx16.py``; PTX for sm_89 and later):
+#   mma_f16_16816       ``mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`` (the bf16 fragment layouts above)
+#   f16x2_of_f32        ``cvt.rn.f16x2.f32``: two fp32 -> packed f16 pair, ``lo`` in the low half
+#   f16x2_of_e4m3x2     ``cvt.rn.f16x2.e4m3x2``: the two E4M3 bytes in bits 0-15 -> packed f16 pair (exact; the
+#                       lower byte to the low half); ``..._hi``: the bytes in bits 16-31
+# E4M3: sign, 4 exponent bits biased 7, 3 mantissa bits, subnormals; 0x7F / 0xFF NaN.
+
+if config.ENABLE_CUDASIM:
+    def _e4m3_values():
+        c = np.arange(256)
+        e, m = (c >> 3) & 15, (c & 7).astype(np.float64)
+        v = np.where(e == 0, m / 8 * 2.0 ** -6, (1 + m / 8) * 2.0 ** (e - 7.0))
+        v = np.where(c & 0x80, -v, v)
+        v[(c & 0x7F) == 0x7F] = np.nan
+        return v
+
+    E4M3_VALUES = _e4m3_values()
+
+    def _f16_pack(lo, hi):
+        h = np.array([lo, hi], dtype=np.float16).view(np.uint16).astype(np.uint32)
+        return np.uint32(h[0] | (h[1] << np.uint32(16)))
+
+    @cuda.jit(device=True, inline="always")
+    def f16x2_of_f32(lo, hi):
+        return _f16_pack(np.float32(lo), np.float32(hi))
+
+    @cuda.jit(device=True, inline="always")
+    def f16x2_of_e4m3x2(w):
+        w = int(w)
+        return _f16_pack(E4M3_VALUES[w & 0xFF], E4M3_VALUES[(w >> 8) & 0xFF])
+
+    @cuda.jit(device=True, inline="always")
+    def f16x2_of_e4m3x2_hi(w):
+        w = int(w)
+        return _f16_pack(E4M3_VALUES[(w >> 16) & 0xFF], E4M3_VALUES[(w >> 24) & 0xFF])
+
+    def _f16_of(words):
+        w = np.asarray(words, dtype=np.float64).astype(np.uint32)
+        lo = (w & np.uint32(0xFFFF)).astype(np.uint16).view(np.float16)
+        hi = (w >> np.uint32(16)).astype(np.uint16).view(np.float16)
+        return np.stack([lo, hi], axis=-1).astype(np.float64)
+
+    def _warp_mma_f16(frags):
+        a, b, c = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
+        a[_A_ROW, _A_COL] = _f16_of(frags[:, 0:4])
+        b[_B_K, _B_N] = _f16_of(frags[:, 4:6])
+        c[_C_ROW, _C_COL] = frags[:, 6:10]
+        return (a @ b + c).astype(np.float32)[_C_ROW, _C_COL]
+
+    @cuda.jit(device=True, inline="always")
+    def mma_f16_16816(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch):
+        """Emulated warp-wide D = A @ B + C on 16x16 f16 A, 16x8 f16 B, fp32 C/D (the bf16 layouts)."""
+        tid = cuda.threadIdx.x
+        for i, r in enumerate((a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)):
+            scratch[tid, i] = r
+        cuda.syncthreads()
+        if tid % 32 == 0:
+            scratch[tid:tid + 32, 10:14] = _warp_mma_f16(scratch[tid:tid + 32, 0:10])
+        cuda.syncthreads()
+        d = [np.float32(scratch[tid, 10 + i]) for i in range(4)]
+        return d[0], d[1], d[2], d[3]
+
+else:
+    def _asm_u32(text, n_in, in_kind="r"):
+        """An intrinsic: ``n_in`` (1 or 2) uint32 (``r``) or float32 (``f``) operands -> one uint32 through
+        the PTX ``text``."""
+        it = types.uint32 if in_kind == "r" else types.float32
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            ity = i32 if in_kind == "r" else ir.FloatType()
+            asm = ir.InlineAsm(ir.FunctionType(i32, [ity] * n_in), text, "=r," + ",".join([in_kind] * n_in))
+            return builder.call(asm, list(args))
+
+        if n_in == 1:
+            @intrinsic
+            def one(typingctx, a):
+                return types.uint32(it), codegen
+            return one
+
+        @intrinsic
+        def two(typingctx, a, b):
+            return types.uint32(it, it), codegen
+        return two
+
+    _cvt_f16x2 = _asm_u32("cvt.rn.f16x2.f32 $0, $1, $2;", 2, "f")      # $1 -> upper half
+    _f16x2_e4m3 = _asm_u32("{ .reg .b16 l, h; mov.b32 {l, h}, $1; cvt.rn.f16x2.e4m3x2 $0, l; }", 1)
+    _f16x2_e4m3_hi = _asm_u32("{ .reg .b16 l, h; mov.b32 {l, h}, $1; cvt.rn.f16x2.e4m3x2 $0, h; }", 1)
+
+    @cuda.jit(device=True, inline="always")
+    def f16x2_of_f32(lo, hi):
+        return _cvt_f16x2(np.float32(hi), np.float32(lo))
+
+    @cuda.jit(device=True, inline="always")
+    def f16x2_of_e4m3x2(w):
+        return _f16x2_e4m3(np.uint32(w))
+
+    @cuda.jit(device=True, inline="always")
+    def f16x2_of_e4m3x2_hi(w):
+        return _f16x2_e4m3_hi(np.uint32(w))
+
+    @intrinsic
+    def _mma_f16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        u, f = types.uint32, types.float32
+        sig = types.UniTuple(f, 4)(u, u, u, u, u, u, f, f, f, f)
+
+        def codegen(context, builder, sig, args):
+            f32, i32 = ir.FloatType(), ir.IntType(32)
+            fnty = ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
+            asm = ir.InlineAsm(
+                fnty,
+                "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
+                "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+            res = builder.call(asm, list(args))
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_value(res, i) for i in range(4)])
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline="always")
+    def mma_f16_16816(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch):
+        return _mma_f16(np.uint32(a0), np.uint32(a1), np.uint32(a2), np.uint32(a3),
+                        np.uint32(b0), np.uint32(b1),
+                        np.float32(c0), np.float32(c1), np.float32(c2), np.float32(c3))

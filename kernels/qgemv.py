@@ -50,8 +50,10 @@ class QgemvConfig:
     rows_per_warp: int = 4
     batch_tile: int = 0      # 0: pick from B (1, 2 or 4)
     tile_k: int = 0          # 0: SMEM_X // batch_tile; else a multiple of 32 (tests use small tiles)
-    route: str = "auto"      # "mma": kernels/qgemv_mma.py (tensor cores; K a multiple of 128, int4 zero points
-                             # integers); "simt": this module's kernel; "auto": mma where K allows it, else simt
+    route: str = "auto"      # "mma": kernels/qgemv_mma.py (bf16 tensor cores; K a multiple of 128, int4 zero points
+                             # integers); "simt": this module's kernel; "auto": mma where K allows it, else simt;
+                             # "mx16": kernels/qgemv_mx16.py (MXFP4 at batch 1 on f16 tensor cores; measured
+                             # slower than mma on the H200, docs/BENCHMARKS.md, so never chosen by "auto")
     mma_prefetch: bool = True  # mma route: load the next group while multiplying the current one
     mma_l2_ahead: int = 0    # mma route: prefetch.global.L2 the group this many iterations ahead (0: none)
     mma_stages: int = 0      # mma route: > 1: W through a per-warp cp.async ring of this many groups (3, 4 or 5)
@@ -219,10 +221,16 @@ def _launch(name, kind, packed, scales, zeros, x, out, bias, workspace, stream, 
         raise ValueError(f"{name}: packed weights and x must be contiguous rows on 16-byte boundaries "
                          "(16-byte loads; there is no scalar path)")
     cfg = config or QgemvConfig()
-    if cfg.route not in ("auto", "simt", "mma"):
-        raise ValueError(f"{name}: route must be 'auto', 'simt' or 'mma', got {cfg.route!r}")
+    if cfg.route not in ("auto", "simt", "mma", "mx16"):
+        raise ValueError(f"{name}: route must be 'auto', 'simt', 'mma' or 'mx16', got {cfg.route!r}")
     contiguous = packed.is_c_contiguous() and scales.is_c_contiguous() and (zeros is None or zeros.is_c_contiguous())
     route = cfg.route if cfg.route != "auto" else "mma" if k % INT4_GROUP == 0 and contiguous else "simt"
+    if route == "mx16":
+        from . import qgemv_mx16
+        if kind != MXFP4:
+            raise ValueError(f"{name}: route 'mx16' takes MXFP4 weights")
+        qgemv_mx16.launch(packed, scales, x, out, bias, as_stream(stream))
+        return
     if route == "mma":
         from . import qgemv_mma
         qgemv_mma.launch(kind, packed, scales, zeros, x, out, bias, as_stream(stream), cfg.mma_prefetch,

@@ -41,7 +41,8 @@ from numba import cuda, float32, uint32
 
 from . import mma_helpers as mh
 from .dtypes import dev_bf16_to_f32, dev_f32_to_bf16
-from .launch import cp_async16, cp_async_commit, cp_async_waiter, ld4w, ld8_ro, prefetch_l2, st4w, warp_any
+from .launch import cp_async16, cp_async_commit, cp_async_waiter, ld4w, ld8_ro, prefetch_l2, st4w, u32_add, u32_mad, \
+    warp_any
 from .workspace import NONE
 
 CAPTURE_SAFE = True      # no allocation, no synchronize, device arrays only
@@ -139,20 +140,20 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
         tid = u(cuda.threadIdx.x)
         lane, wid = tid % u(32), tid // u(32)
         g, t = lane // u(4), lane % u(4)
-        row0 = u(cuda.blockIdx.x) * u(ROWS)
-        col0 = u(cuda.blockIdx.y) * u(COLS)
-        nr1 = u(n_rows - 1)
-        ra = min(row0 + g, nr1)
-        rb = min(row0 + g + u(8), nr1)
+        row0 = u32_mad(cuda.blockIdx.x, ROWS, 0)
+        col0 = u32_mad(cuda.blockIdx.y, COLS, 0)
+        nr1 = u32_add(n_rows, 0xFFFFFFFF)
+        ra = min(u32_add(row0, g), nr1)
+        rb = min(u32_add(row0, g + u(8)), nr1)
         ku = u(k)
         ng = ku // u(GROUP)
-        ng1 = ng - u(1)
-        wa0 = ra * (ku // u(2)) + u(16) * t   # the lane's bytes of group 0, rows g and g + 8
-        wb0 = rb * (ku // u(2)) + u(16) * t
+        ng1 = u32_add(ng, 0xFFFFFFFF)
+        wa0 = u32_mad(ra, ku // u(2), u(16) * t)   # the lane's bytes of group 0, rows g and g + 8
+        wb0 = u32_mad(rb, ku // u(2), u(16) * t)
         if is_int4:
-            sa0, sb0 = ra * ng, rb * ng        # group scales and zeros: one per row and group
+            sa0, sb0 = u32_mad(ra, ng, 0), u32_mad(rb, ng, 0)   # group scales and zeros: one per row and group
         else:
-            sa0, sb0 = ra * (ku // u(32)) + t, rb * (ku // u(32)) + t   # the lane's MX block of group 0
+            sa0, sb0 = u32_mad(ra, ku // u(32), t), u32_mad(rb, ku // u(32), t)   # the lane's MX block of group 0
         # B = 1: lanes g > 0 repeat column 0 into D columns that are never stored
         xb = min(g, u(NC - 1)) * u(CS) + t * u(16)
         xr0 = u(4) * ((t + u(0)) & u(3))      # a lane's 4 slots of a group, rotated by t (distinct banks)
@@ -208,7 +209,7 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                     st4w(xs, o, w0, w1, w2, w3)
                     e += u(mh.THREADS)
                 cuda.syncthreads()
-            gi = it * u(W) + wid
+            gi = u32_mad(it, W, wid)
             if CPA:                            # issue stage it + S - 1, wait for stage it, read it
                 gq = min(gi + u((S - 1) * W), ng1)
                 sq = ((it + u(S - 1)) % u(S)) * u(256)
@@ -229,18 +230,18 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
             elif PF:
                 a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w = pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3
                 za, zb, ua, ub, ea, eb = qa, qb, sa, sb, na, nb
-                gn = min(gi + u(W), ng1)       # the last iteration reloads a group that is still cached
-                pa0, pa1, pa2, pa3 = _ld16_ro(packed, wa0 + gn * u(64))
-                pb0, pb1, pb2, pb3 = _ld16_ro(packed, wb0 + gn * u(64))
+                gn = min(u32_add(gi, W), ng1)  # the last iteration reloads a group that is still cached
+                pa0, pa1, pa2, pa3 = _ld16_ro(packed, u32_mad(gn, 64, wa0))
+                pb0, pb1, pb2, pb3 = _ld16_ro(packed, u32_mad(gn, 64, wb0))
                 if is_int4:
-                    qa, qb = float32(zeros[sa0 + gn]), float32(zeros[sb0 + gn])
-                    sa, sb = float32(scales[sa0 + gn]), float32(scales[sb0 + gn])
+                    qa, qb = float32(zeros[u32_add(sa0, gn)]), float32(zeros[u32_add(sb0, gn)])
+                    sa, sb = float32(scales[u32_add(sa0, gn)]), float32(scales[u32_add(sb0, gn)])
                 else:
-                    na, nb = u(scales[sa0 + u(4) * gn]), u(scales[sb0 + u(4) * gn])
+                    na, nb = u(scales[u32_mad(gn, 4, sa0)]), u(scales[u32_mad(gn, 4, sb0)])
             else:
                 gc = min(gi, ng1)
-                a0w, a1w, a2w, a3w = _ld16_ro(packed, wa0 + gc * u(64))
-                b0w, b1w, b2w, b3w = _ld16_ro(packed, wb0 + gc * u(64))
+                a0w, a1w, a2w, a3w = _ld16_ro(packed, u32_mad(gc, 64, wa0))
+                b0w, b1w, b2w, b3w = _ld16_ro(packed, u32_mad(gc, 64, wb0))
                 za = zb = ua = ub = float32(0.0)
                 ea = eb = u(0)
                 if is_int4:
@@ -253,7 +254,7 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                 prefetch_l2(packed, wa0 + gl * u(64))
                 prefetch_l2(packed, wb0 + gl * u(64))
             # groups past K (the clamped reloads) meet staged zeros of x: they add nothing
-            xo = xb + ((it % u(TI)) * u(W) + wid) * u(64)
+            xo = u32_mad(u32_mad(it % u(TI), W, wid), 64, xb)
             if PROBE:                          # keep every load live, multiply nothing
                 xq0, xq1, xq2, xq3 = ld4w(xs, xo + xr0)
                 v = a0w ^ a1w ^ a2w ^ a3w ^ b0w ^ b1w ^ b2w ^ b3w ^ xq0 ^ xq3 ^ u(za + zb + ua + ub) ^ ea ^ eb
@@ -262,7 +263,7 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                 ca = mh.pack_bf16x2(-(za + float32(128.0)), -(za + float32(128.0)))
                 cb = mh.pack_bf16x2(-(zb + float32(128.0)), -(zb + float32(128.0)))
                 d0, d1, d2, d3 = _group(True, False, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, ca, cb, ca, cb,
-                                        xs, xo + xr0, xo + xr1, xo + xr2, xo + xr3, scratch)
+                                        xs, u32_add(xo, xr0), u32_add(xo, xr1), u32_add(xo, xr2), u32_add(xo, xr3), scratch)
                 acc0 += d0 * ua
                 acc1 += d1 * ua
                 acc2 += d2 * ub
@@ -275,18 +276,18 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                     d0, d1, d2, d3 = _group(False, True, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w,
                                             u(0x7E807E80), u(0x7E807E80),
                                             sa2 | (sa2 << u(16)), sb2 | (sb2 << u(16)),
-                                            xs, xo + xr0, xo + xr1, xo + xr2, xo + xr3, scratch)
+                                            xs, u32_add(xo, xr0), u32_add(xo, xr1), u32_add(xo, xr2), u32_add(xo, xr3), scratch)
                 else:                          # one fma by 2^(e - 1): bf16 exponent field e + 126
                     sa1 = (ea + u(126)) << u(7)
                     sb1 = (eb + u(126)) << u(7)
                     d0, d1, d2, d3 = _group(False, False, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w,
                                             sa1 | (sa1 << u(16)), sb1 | (sb1 << u(16)), u(0), u(0),
-                                            xs, xo + xr0, xo + xr1, xo + xr2, xo + xr3, scratch)
+                                            xs, u32_add(xo, xr0), u32_add(xo, xr1), u32_add(xo, xr2), u32_add(xo, xr3), scratch)
                 acc0 += d0
                 acc1 += d1
                 acc2 += d2
                 acc3 += d3
-            it += u(1)
+            it = u32_add(it, 1)
         red[wid, lane, 0] = acc0
         red[wid, lane, 1] = acc1
         red[wid, lane, 2] = acc2

@@ -150,3 +150,19 @@ def test_qgemv_mma_route(stream, rng, kind, n, k, b, bias, prefetch, l2, stages)
         qgemv.qgemv_mxfp4(*(to_dev(a, stream) for a in qw), to_dev(x, stream), out, bias=dbias, stream=stream,
                           config=cfg)
         assert_close(get(out, stream), dequantize_mxfp4(*qw), x, bb, qgemv.reference_mxfp4(*qw, x, bb))
+
+
+@pytest.mark.parametrize("n,k,bias", [(I, H, False), (H, I, True)])
+def test_qgemv_mx16_route(stream, rng, n, k, bias):
+    """MXFP4 at batch 1 on f16 tensor cores (kernels/qgemv_mx16.py) at Llama-8B MLP shapes: x staged in one
+    tile (K 4096) and in four (K 14336), the default route for MXFP4 at batch 1; same bounds as the others."""
+    from numba import cuda
+    x = f32_to_bf16(rng.standard_normal((1, k), dtype=np.float32))
+    bb = f32_to_bf16(rng.standard_normal(n, dtype=np.float32)) if bias else None
+    dbias = None if bb is None else to_dev(bb, stream)
+    qw = _quantized("mxfp4", n, k)
+    for cfg in (qgemv.QgemvConfig(route="mx16"), None):
+        out = cuda.device_array((1, n), np.uint16, stream=stream)
+        qgemv.qgemv_mxfp4(*(to_dev(a, stream) for a in qw), to_dev(x, stream), out, bias=dbias, stream=stream,
+                          config=cfg)
+        assert_close(get(out, stream), dequantize_mxfp4(*qw), x, bb, qgemv.reference_mxfp4(*qw, x, bb))

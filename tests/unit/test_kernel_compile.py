@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-KERNEL_MODULES = ["gemv", "qgemv", "qgemv_mma", "gemm", "qgemm", "expert_gather", "norm", "rope", "elementwise", "embedding", "sampling", "scalars", "moe"]
+KERNEL_MODULES = ["gemv", "qgemv", "qgemv_mma", "qgemv_mx16", "gemm", "qgemm", "expert_gather", "norm", "rope", "elementwise", "embedding", "sampling", "scalars", "moe"]
 # Written elsewhere; checked the same way as soon as they exist.
 OPTIONAL_MODULES = ["attention_prefill", "attention_decode"]
 CC = (9, 0)
