@@ -102,29 +102,36 @@ if config.ENABLE_CUDASIM:
         hi = (w & np.uint32(0xFFFF0000)).view(np.float32)
         return np.stack([lo, hi], axis=-1).astype(np.float64)
 
-    def _warp_mma(frags):
-        """frags: [32 lanes, 10] = a0..a3, b0, b1, c0..c3 of one warp -> [32, 4] d0..d3."""
+    def _warp_mma(frags, halves):
+        """frags: [32 lanes, 10] = a0..a3, b0, b1, c0..c3 of one warp -> [32, 4] d0..d3; ``halves`` decodes
+        the packed A and B words (bf16 or f16 pairs)."""
         a, b, c = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
-        a[_A_ROW, _A_COL] = _halves(frags[:, 0:4])
-        b[_B_K, _B_N] = _halves(frags[:, 4:6])
+        a[_A_ROW, _A_COL] = halves(frags[:, 0:4])
+        b[_B_K, _B_N] = halves(frags[:, 4:6])
         c[_C_ROW, _C_COL] = frags[:, 6:10]
         return (a @ b + c).astype(np.float32)[_C_ROW, _C_COL]
 
-    @cuda.jit(device=True, inline="always")
-    def mma_bf16_16816(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch):
-        """Emulated warp-wide D = A @ B + C on 16x16 bf16 A, 16x8 bf16 B, fp32 C/D (see layouts above):
-        the lanes publish their registers, lane 0 multiplies the warp's tiles, each lane reads its D."""
-        tid = cuda.threadIdx.x
-        for i, r in enumerate((a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)):
-            scratch[tid, i] = r
-        cuda.syncthreads()
-        if tid % 32 == 0:
-            scratch[tid:tid + 32, 10:14] = _warp_mma(scratch[tid:tid + 32, 0:10])
-        cuda.syncthreads()
-        # No trailing barrier: lane 0 overwrites this row's d only after the next call's first barrier,
-        # which this thread reaches only after reading d here.
-        d = [np.float32(scratch[tid, 10 + i]) for i in range(4)]
-        return d[0], d[1], d[2], d[3]
+    def _sim_mma(halves):
+        """The emulated warp-wide D = A @ B + C on 16x16 A, 16x8 B (pairs decoded by ``halves``), fp32 C/D
+        (layouts above): the lanes publish their registers, lane 0 multiplies the warp's tiles, each lane
+        reads its D."""
+        @cuda.jit(device=True, inline="always")
+        def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch):
+            tid = cuda.threadIdx.x
+            for i, r in enumerate((a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)):
+                scratch[tid, i] = r
+            cuda.syncthreads()
+            if tid % 32 == 0:
+                scratch[tid:tid + 32, 10:14] = _warp_mma(scratch[tid:tid + 32, 0:10], halves)
+            cuda.syncthreads()
+            # No trailing barrier: lane 0 overwrites this row's d only after the next call's first barrier,
+            # which this thread reaches only after reading d here.
+            d = [np.float32(scratch[tid, 10 + i]) for i in range(4)]
+            return d[0], d[1], d[2], d[3]
+
+        return mma
+
+    mma_bf16_16816 = _sim_mma(_halves)
 
     @cuda.jit(device=True, inline="always")
     def _quad(v, scratch, use_max):
@@ -194,24 +201,30 @@ else:
     def fma_bf16x2(a, b, c):
         return _fma_bf16x2(np.uint32(a), np.uint32(b), np.uint32(c))
 
-    @intrinsic
-    def _mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        u, f = types.uint32, types.float32
-        sig = types.UniTuple(f, 4)(u, u, u, u, u, u, f, f, f, f)
+    def _mma_intrinsic(ab_type):
+        """``mma.sync.aligned.m16n8k16.row.col.f32.<ab>.<ab>.f32`` (A, B packed pairs of ``ab_type``)."""
+        text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{ab_type}.{ab_type}.f32 "
+                "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};")
 
-        def codegen(context, builder, sig, args):
-            f32, i32 = ir.FloatType(), ir.IntType(32)
-            fnty = ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
-            asm = ir.InlineAsm(
-                fnty,
-                "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
-                "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
-            res = builder.call(asm, list(args))
-            return context.make_tuple(builder, sig.return_type,
-                                      [builder.extract_value(res, i) for i in range(4)])
+        @intrinsic
+        def impl(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            u, f = types.uint32, types.float32
+            sig = types.UniTuple(f, 4)(u, u, u, u, u, u, f, f, f, f)
 
-        return sig, codegen
+            def codegen(context, builder, sig, args):
+                f32, i32 = ir.FloatType(), ir.IntType(32)
+                fnty = ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
+                asm = ir.InlineAsm(fnty, text, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+                res = builder.call(asm, list(args))
+                return context.make_tuple(builder, sig.return_type,
+                                          [builder.extract_value(res, i) for i in range(4)])
+
+            return sig, codegen
+
+        return impl
+
+    _mma = _mma_intrinsic("bf16")
+    _mma_f16 = _mma_intrinsic("f16")
 
     @cuda.jit(device=True, inline="always")
     def mma_bf16_16816(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch):
@@ -273,25 +286,7 @@ if config.ENABLE_CUDASIM:
         hi = (w >> np.uint32(16)).astype(np.uint16).view(np.float16)
         return np.stack([lo, hi], axis=-1).astype(np.float64)
 
-    def _warp_mma_f16(frags):
-        a, b, c = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
-        a[_A_ROW, _A_COL] = _f16_of(frags[:, 0:4])
-        b[_B_K, _B_N] = _f16_of(frags[:, 4:6])
-        c[_C_ROW, _C_COL] = frags[:, 6:10]
-        return (a @ b + c).astype(np.float32)[_C_ROW, _C_COL]
-
-    @cuda.jit(device=True, inline="always")
-    def mma_f16_16816(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch):
-        """Emulated warp-wide D = A @ B + C on 16x16 f16 A, 16x8 f16 B, fp32 C/D (the bf16 layouts)."""
-        tid = cuda.threadIdx.x
-        for i, r in enumerate((a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)):
-            scratch[tid, i] = r
-        cuda.syncthreads()
-        if tid % 32 == 0:
-            scratch[tid:tid + 32, 10:14] = _warp_mma_f16(scratch[tid:tid + 32, 0:10])
-        cuda.syncthreads()
-        d = [np.float32(scratch[tid, 10 + i]) for i in range(4)]
-        return d[0], d[1], d[2], d[3]
+    mma_f16_16816 = _sim_mma(_f16_of)
 
 else:
     def _asm_u32(text, n_in, in_kind="r"):
@@ -331,25 +326,6 @@ else:
     @cuda.jit(device=True, inline="always")
     def f16x2_of_e4m3x2_hi(w):
         return _f16x2_e4m3_hi(np.uint32(w))
-
-    @intrinsic
-    def _mma_f16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        u, f = types.uint32, types.float32
-        sig = types.UniTuple(f, 4)(u, u, u, u, u, u, f, f, f, f)
-
-        def codegen(context, builder, sig, args):
-            f32, i32 = ir.FloatType(), ir.IntType(32)
-            fnty = ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
-            asm = ir.InlineAsm(
-                fnty,
-                "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
-                "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
-            res = builder.call(asm, list(args))
-            return context.make_tuple(builder, sig.return_type,
-                                      [builder.extract_value(res, i) for i in range(4)])
-
-        return sig, codegen
 
     @cuda.jit(device=True, inline="always")
     def mma_f16_16816(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch):
