@@ -214,6 +214,9 @@ if SIM:
     def u32_mad(a, b, c):
         return np.uint32((int(a) * int(b) + int(c)) & 0xFFFFFFFF)
 
+    def u32_pin(a):
+        return np.uint32(a)
+
     def ld1w_ro(arr, i):
         a = arr._ary if hasattr(arr, "_ary") else arr
         if a.dtype != np.uint32:
@@ -352,6 +355,19 @@ else:
         """a * b + c in 32-bit arithmetic (wrapping)."""
         sig = types.uint32(types.uint32, types.uint32, types.uint32)
         return sig, lambda context, builder, sig, args: builder.add(builder.mul(args[0], args[1]), args[2])
+
+    @intrinsic
+    def u32_pin(typingctx, a):
+        """``a`` through an opaque ``mov``: a loop-invariant value computed once before a loop stays in its
+        register (the code generator would otherwise rebuild an address's parts inside the loop from the
+        thread index, several instructions per iteration)."""
+        sig = types.uint32(types.uint32)
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i32]), "mov.b32 $0, $1;", "=r,r")
+            return builder.call(asm, [args[0]])
+        return sig, codegen
 
     @intrinsic
     def ld1w_ro(typingctx, arr, idx):

@@ -37,12 +37,12 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from numba import cuda, float32, uint32
+from numba import cuda, float32, int32, int64, uint32
 
 from . import mma_helpers as mh
 from .dtypes import dev_bf16_to_f32, dev_f32_to_bf16
-from .launch import cp_async16, cp_async_commit, cp_async_waiter, ld4w, ld8_ro, prefetch_l2, st4w, u32_add, u32_mad, \
-    warp_any
+from .launch import cp_async16, cp_async_commit, cp_async_waiter, ld4w, ld8_ro, prefetch_l2, st4w, u32_add, \
+    u32_as_f32, u32_mad, u32_pin, warp_any
 from .workspace import NONE
 
 CAPTURE_SAFE = True      # no allocation, no synchronize, device arrays only
@@ -65,10 +65,12 @@ def _e2m1_raw(w, s):
 
 
 @cuda.jit(device=True, inline="always")
-def _mx_pair(w, s, c1, c2, two):
-    a = mh.fma_bf16x2(_e2m1_raw(w, s), c1, uint32(0))
-    if two:
-        a = mh.fma_bf16x2(a, c2, uint32(0))
+def _mx_pair(w, s, c1, c2, two, raw):
+    a = _e2m1_raw(w, s)
+    if not raw:
+        a = mh.fma_bf16x2(a, c1, uint32(0))
+        if two:
+            a = mh.fma_bf16x2(a, c2, uint32(0))
     return a
 
 
@@ -78,9 +80,11 @@ def _q4_pair(w, s, c):
 
 
 @cuda.jit(device=True, inline="always")
-def _group(is_int4, two, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, ca, cb, c2a, c2b, xs, xo0, xo1, xo2, xo3, scratch):
+def _group(is_int4, two, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, ca, cb, c2a, c2b, xs, xo0, xo1, xo2, xo3, scratch,
+           raw=False):
     """The 8 mma steps of one group: words a*w (row g) and b*w (row g + 8) of the lane's chunk, their
-    per-row constants, the staged B pairs of word om at xs[xo_om ...] (4 words: b0, b1 of step h = 0, 1)."""
+    per-row constants, the staged B pairs of word om at xs[xo_om ...] (4 words: b0, b1 of step h = 0, 1).
+    ``raw`` (MXFP4): the E2M1 codes enter the mma as value · 2^-126, the block scale left to the caller."""
     d0 = d1 = d2 = d3 = float32(0.0)
     for om in range(4):                       # word om of the chunk: values 8 om .. 8 om + 7
         wa = a0w if om == 0 else a1w if om == 1 else a2w if om == 2 else a3w
@@ -95,12 +99,137 @@ def _group(is_int4, two, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, ca, cb, c2a, c2
                 p1 = _q4_pair(wb, 8 * h, cb)
                 p3 = _q4_pair(wb, 8 * h + 4, cb)
             else:
-                p0 = _mx_pair(wa, 8 * h, ca, c2a, two)
-                p2 = _mx_pair(wa, 8 * h + 4, ca, c2a, two)
-                p1 = _mx_pair(wb, 8 * h, cb, c2b, two)
-                p3 = _mx_pair(wb, 8 * h + 4, cb, c2b, two)
+                p0 = _mx_pair(wa, 8 * h, ca, c2a, two, raw)
+                p2 = _mx_pair(wa, 8 * h + 4, ca, c2a, two, raw)
+                p1 = _mx_pair(wb, 8 * h, cb, c2b, two, raw)
+                p3 = _mx_pair(wb, 8 * h + 4, cb, c2b, two, raw)
             d0, d1, d2, d3 = mh.mma_bf16_16816(p0, p1, p2, p3, x0, x1, d0, d1, d2, d3, scratch)
     return d0, d1, d2, d3
+
+
+@cuda.jit(device=True, inline="always")
+def _stage_x(xs, x, tid, t0, ku, col0, n_batch, NC, NCH, CS):
+    """Stage the x tile starting at K index t0 into ``xs``, permuted into B pairs (every thread calls it)."""
+    u = uint32
+    lo16, hi16 = u(0xFFFF), u(0xFFFF0000)
+    e = tid
+    while e < u(NC * NCH):
+        col = e // u(NCH)
+        c = e % u(NCH)
+        kk = t0 + u(8) * c
+        w0 = w1 = w2 = w3 = u(0)
+        if kk < ku and col0 + col < u(n_batch):
+            x0, x1, x2, x3 = ld8_ro(x, (col0 + col, kk))
+            w0 = (x0 & lo16) | (x2 << u(16))       # (x[0], x[4])
+            w1 = (x0 >> u(16)) | (x2 & hi16)       # (x[1], x[5])
+            w2 = (x1 & lo16) | (x3 << u(16))       # (x[2], x[6])
+            w3 = (x1 >> u(16)) | (x3 & hi16)       # (x[3], x[7])
+        r = c % u(16)              # chunk r of its group: lane t = r // 4, word om = r % 4
+        o = col * u(CS) + (c // u(16)) * u(64) + (r // u(4)) * u(16) + u(4) * ((r + r // u(4)) & u(3))
+        st4w(xs, o, w0, w1, w2, w3)
+        e += u(mh.THREADS)
+
+
+@cuda.jit(device=True, inline="always")
+def _stage_x_mx(xs, x, tid, t0, ku, mx, slot, xw):
+    """B = 1, MXFP4: stage the x tile starting at K index t0 as bf16 x · 2^c in the B-pair order of
+    ``_stage_x``, c = 253 - (exponent field of the tile's largest |x|, at least 126) so that the largest
+    lands below 2^127 (exact: a power-of-two scale). Returns 2^(126 - c) as fp32, the factor that takes the
+    tile's block-scaled mma sums back to x's scale. ``mx[slot]``: the block-wide largest (reset by the
+    caller's previous tile); ``xw``: the thread's 16 words of x while it is found."""
+    u = uint32
+    lo16, hi16 = u(0xFFFF), u(0xFFFF0000)
+    mlo = mhi = u(0)                       # the largest |x| of the low and the high halves (bf16 bits)
+    for j in range(4):                     # chunk c = tid + 128 j: values t0 + 8c .. t0 + 8c + 7
+        kk = u32_add(t0, u(8) * (tid + u(128 * j)))
+        x0 = x1 = x2 = x3 = u(0)
+        if kk < ku:
+            x0, x1, x2, x3 = ld8_ro(x, (0, kk))
+        xw[4 * j], xw[4 * j + 1], xw[4 * j + 2], xw[4 * j + 3] = x0, x1, x2, x3
+        mlo = max(mlo, x0 & u(0x7FFF), x1 & u(0x7FFF), x2 & u(0x7FFF), x3 & u(0x7FFF))
+        mhi = max(mhi, x0 & u(0x7FFF0000), x1 & u(0x7FFF0000), x2 & u(0x7FFF0000), x3 & u(0x7FFF0000))
+    cuda.atomic.max(mx, slot, int32(max(mlo, mhi >> u(16))))
+    cuda.syncthreads()
+    ef = max(u(mx[slot]) >> u(7), u(126))  # bf16 exponent field of the largest |x| (inf, NaN: 255)
+    ef = min(ef, u(254))
+    if tid == u(0):
+        mx[u(1) - slot] = 0                # reset the other slot for the next tile
+    sc = (u(380) - ef) << u(7)             # bf16 2^c (exponent field c + 127), c = 253 - ef in [-1, 127]
+    sc = sc | (sc << u(16))
+    for j in range(4):
+        c = tid + u(128 * j)
+        x0, x1, x2, x3 = xw[4 * j], xw[4 * j + 1], xw[4 * j + 2], xw[4 * j + 3]
+        r = c % u(16)
+        o = (c // u(16)) * u(64) + r * u(4)     # group, lane r // 4, word r % 4 (no rotation: see the kernel)
+        st4w(xs, o, mh.fma_bf16x2((x0 & lo16) | (x2 << u(16)), sc, u(0)),
+             mh.fma_bf16x2((x0 >> u(16)) | (x2 & hi16), sc, u(0)),
+             mh.fma_bf16x2((x1 & lo16) | (x3 << u(16)), sc, u(0)),
+             mh.fma_bf16x2((x1 >> u(16)) | (x3 & hi16), sc, u(0)))
+    return u32_as_f32(ef << u(23))
+
+
+@cuda.jit(device=True, inline="always")
+def _acc_group_mxd(a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, ea, eb, xs, xo, scratch, acc0, acc2):
+    """B = 1, MXFP4: one group through the mma with the codes as value · 2^-126 and x staged so that D
+    column 2t holds MX block t alone (the lane's own block); the lane scales its D by 2^(e - 127) (fp32,
+    e = 0 a subnormal). Returns the row g and row g + 8 accumulators."""
+    u = uint32
+    xi = int64(xo)                         # 64-bit: the four loads share one address (immediate offsets)
+    d0, d1, d2, d3 = _group(False, False, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, u(0), u(0), u(0), u(0),
+                            xs, xi, xi + int64(4), xi + int64(8), xi + int64(12), scratch, True)
+    acc0 += d0 * u32_as_f32(max(ea << u(23), u(0x400000)))
+    acc2 += d2 * u32_as_f32(max(eb << u(23), u(0x400000)))
+    return acc0, acc2
+
+
+@cuda.jit(device=True, inline="always")
+def _group_scales(is_int4, sa, sb, za, zb, gi):
+    """Group ``gi``'s constants from views of rows g (``sa``, ``za``) and g + 8 (``sb``, ``zb``) that start at
+    the lane's group 0: int4 zero points and scales; MXFP4 the lane's E8M0 exponents (the other four zeros)."""
+    if is_int4:
+        return (float32(za[gi]), float32(zb[gi]), float32(sa[gi]), float32(sb[gi]), uint32(0), uint32(0))
+    return (float32(0.0), float32(0.0), float32(0.0), float32(0.0),
+            uint32(sa[gi * int64(4)]), uint32(sb[gi * int64(4)]))
+
+
+@cuda.jit(device=True, inline="always")
+def _acc_group(is_int4, probe, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, za, zb, ua, ub, ea, eb,
+               xs, xo, xr0, xr1, xr2, xr3, scratch, acc0, acc1, acc2, acc3):
+    """One group of the lane's chunk (words a*w of row g, b*w of row g + 8) multiplied into the accumulators;
+    its staged x at ``xs[xo ...]``. ``probe``: no decode and no mma, the loads kept live."""
+    u = uint32
+    if probe:
+        xq0, xq1, xq2, xq3 = ld4w(xs, xo + xr0)
+        v = a0w ^ a1w ^ a2w ^ a3w ^ b0w ^ b1w ^ b2w ^ b3w ^ xq0 ^ xq3 ^ u(za + zb + ua + ub) ^ ea ^ eb
+        acc0 += float32(v & u(1))
+    elif is_int4:                          # c: -(128 + zero) per row, the D scale after the group
+        ca = mh.pack_bf16x2(-(za + float32(128.0)), -(za + float32(128.0)))
+        cb = mh.pack_bf16x2(-(zb + float32(128.0)), -(zb + float32(128.0)))
+        d0, d1, d2, d3 = _group(True, False, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, ca, cb, ca, cb,
+                                xs, u32_add(xo, xr0), u32_add(xo, xr1), u32_add(xo, xr2), u32_add(xo, xr3), scratch)
+        acc0 += d0 * ua
+        acc1 += d1 * ua
+        acc2 += d2 * ub
+        acc3 += d3 * ub
+    else:                                  # ea, eb: the lane's E8M0 exponents e (0..254)
+        if warp_any(ea > u(128) or eb > u(128)):
+            # 2^126 then 2^(e - 127) (e = 0: 2^-127, a bf16 subnormal)
+            sa2 = u(0x40) if ea == u(0) else ea << u(7)
+            sb2 = u(0x40) if eb == u(0) else eb << u(7)
+            d0, d1, d2, d3 = _group(False, True, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w,
+                                    u(0x7E807E80), u(0x7E807E80), sa2 | (sa2 << u(16)), sb2 | (sb2 << u(16)),
+                                    xs, u32_add(xo, xr0), u32_add(xo, xr1), u32_add(xo, xr2), u32_add(xo, xr3), scratch)
+        else:                              # one fma by 2^(e - 1): bf16 exponent field e + 126
+            sa1 = (ea + u(126)) << u(7)
+            sb1 = (eb + u(126)) << u(7)
+            d0, d1, d2, d3 = _group(False, False, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w,
+                                    sa1 | (sa1 << u(16)), sb1 | (sb1 << u(16)), u(0), u(0),
+                                    xs, u32_add(xo, xr0), u32_add(xo, xr1), u32_add(xo, xr2), u32_add(xo, xr3), scratch)
+        acc0 += d0
+        acc1 += d1
+        acc2 += d2
+        acc3 += d3
+    return acc0, acc1, acc2, acc3
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,6 +244,7 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
     registers held for them); 0: loaded into registers (one group ahead with ``prefetch``)."""
     from .qgemv import INT4, _ld16_ro
     MS0, MS1 = mh.SIM_MMA_SCRATCH          # simulator-only scratch (1 x 1 on the GPU)
+    QS = mh.SIM_RED_SCRATCH
     is_int4 = kind == INT4
     NC = ncols
     CW = XS_WORDS // NC                    # staged words per column: a tile of 2 CW values of K
@@ -129,6 +259,9 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
     S = stages
     CPA = S > 1
     RING = W * S * 2 * 128 if CPA else 4   # words: per warp and stage, rows g and g + 8, 16 bytes a lane
+    B1 = NC == 1 and PF and not CPA and L2A == 0   # the two-set loop below (the others: the general one)
+    MXD = B1 and not is_int4               # MXFP4 at B = 1: block scales applied to D (``_acc_group_mxd``)
+    XSA = XSN + (16 if MXD else 0)         # + a zero block read by the lanes whose B column is not theirs
     WAIT = cp_async_waiter(S - 1 if CPA else 0)
     u = uint32
 
@@ -146,14 +279,14 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
         ra = min(u32_add(row0, g), nr1)
         rb = min(u32_add(row0, g + u(8)), nr1)
         ku = u(k)
-        ng = ku // u(GROUP)
+        ng = u32_pin(ku // u(GROUP))
         ng1 = u32_add(ng, 0xFFFFFFFF)
-        wa0 = u32_mad(ra, ku // u(2), u(16) * t)   # the lane's bytes of group 0, rows g and g + 8
-        wb0 = u32_mad(rb, ku // u(2), u(16) * t)
-        if is_int4:
-            sa0, sb0 = u32_mad(ra, ng, 0), u32_mad(rb, ng, 0)   # group scales and zeros: one per row and group
-        else:
-            sa0, sb0 = u32_mad(ra, ku // u(32), t), u32_mad(rb, ku // u(32), t)   # the lane's MX block of group 0
+        wa0 = u32_pin(u32_mad(ra, ku // u(2), u(16) * t))   # the lane's bytes of group 0, rows g and g + 8
+        wb0 = u32_pin(u32_mad(rb, ku // u(2), u(16) * t))
+        if is_int4:          # group scales and zeros: one per row and group
+            sa0, sb0 = u32_pin(u32_mad(ra, ng, 0)), u32_pin(u32_mad(rb, ng, 0))
+        else:                # the lane's MX block of group 0
+            sa0, sb0 = u32_pin(u32_mad(ra, ku // u(32), t)), u32_pin(u32_mad(rb, ku // u(32), t))
         # B = 1: lanes g > 0 repeat column 0 into D columns that are never stored
         xb = min(g, u(NC - 1)) * u(CS) + t * u(16)
         xr0 = u(4) * ((t + u(0)) & u(3))      # a lane's 4 slots of a group, rotated by t (distinct banks)
@@ -161,133 +294,174 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
         xr2 = u(4) * ((t + u(2)) & u(3))
         xr3 = u(4) * ((t + u(3)) & u(3))
         scratch = cuda.shared.array((MS0, MS1), np.float64)
-        xs = cuda.shared.array(XSN, np.uint32)
+        xs = cuda.shared.array(XSA, np.uint32)
         red = cuda.shared.array((W, 32, 4), np.float32)
+        qsum = cuda.shared.array(QS, np.float32)
+        mx = cuda.shared.array(2, np.int32)    # MXD: the x tile's largest |x| (bf16 bits), two slots alternating
+        xw = cuda.local.array(16, np.uint32)   # MXD: a thread's 16 words of x while the largest is found
         ring = cuda.shared.array(RING, np.uint32)
         slot = (wid * u(S) * u(2)) * u(128) + lane * u(4)   # + (stage * 2 + row half) * 128
-        lo16, hi16 = u(0xFFFF), u(0xFFFF0000)
-        n_it = (ng + u(W - 1)) // u(W)         # the same trip count in every warp (the mma is warp-wide)
         acc0 = acc1 = acc2 = acc3 = float32(0.0)
-        # the first group's loads (with prefetch: then always one group ahead)
-        gc = min(wid, ng1)
-        if CPA:                                # stages 0 .. S - 2 in flight before the loop
-            pa0 = pa1 = pa2 = pa3 = pb0 = pb1 = pb2 = pb3 = u(0)
-            for q in range(S - 1):
-                gq = min(u(q * W) + wid, ng1)
-                cp_async16(ring, slot + u(2 * q * 128), packed, wa0 + gq * u(64))
-                cp_async16(ring, slot + u((2 * q + 1) * 128), packed, wb0 + gq * u(64))
-                cp_async_commit()
-        else:
-            pa0, pa1, pa2, pa3 = _ld16_ro(packed, wa0 + gc * u(64))
-            pb0, pb1, pb2, pb3 = _ld16_ro(packed, wb0 + gc * u(64))
-        qa = qb = sa = sb = float32(0.0)       # int4: zero points and scales of the loaded group
-        na = nb = u(0)                         # mxfp4: the lane's E8M0 exponents of the loaded group
-        if is_int4:
-            qa, qb = float32(zeros[sa0 + gc]), float32(zeros[sb0 + gc])
-            sa, sb = float32(scales[sa0 + gc]), float32(scales[sb0 + gc])
-        else:
-            na, nb = u(scales[sa0 + u(4) * gc]), u(scales[sb0 + u(4) * gc])
-        it = u(0)
-        while it < n_it:
-            if it % u(TI) == u(0):             # stage the next tile of x, permuted into B pairs
+        if B1:
+            # B = 1: warp w multiplies a contiguous run of each tile's groups, two per iteration through two
+            # register sets (X, Y): Y loads while X is multiplied, the next X while Y is; no copies between
+            # them, one loop step per two groups. Slots past the last group of K hold staged zeros of x, so
+            # the clamped reloads there add nothing; a Y past the warp's run is not multiplied (it would be
+            # the next warp's first group).
+            # MXFP4 (MXD): B's column 2t holds x only at the k of lane t's MX block (lanes g != 2t read a
+            # zero block), so D column 2t is block t's sum alone and lane t scales it by its own block scale:
+            # no per-pair scaling. x is staged scaled by 2^c per tile (``_stage_x_mx``); the tile's sums
+            # (ta*) are taken back by tfac.
+            ta0 = ta2 = tfac = float32(0.0)
+            xst = u(0 if MXD else 64)
+            xbb = u(XSN) if MXD else xb
+            if MXD:          # only lanes 0, 9, 18, 27 read x, one per quarter warp: no bank rotation needed
+                if tid < u(16):
+                    xs[u32_add(tid, XSN)] = u(0)
+                if tid == u(0):
+                    mx[0] = 0
+                if g == u(2) * t:
+                    xst = u(64)
+                    xbb = u32_mad(t, 16, 0)
+                xr0, xr1, xr2, xr3 = u(0), u(4), u(8), u(12)
+            xst, xbb = u32_pin(xst), u32_pin(xbb)
+            # the lane's rows as views: a load's address is then one wide mad of the group index
+            pwa, pwb, psa, psb = packed[int64(wa0):], packed[int64(wb0):], scales[int64(sa0):], scales[int64(sb0):]
+            pza, pzb = zeros[int64(sa0):], zeros[int64(sb0):]
+            n_tiles = (ng + u(TG - 1)) // u(TG)
+            ti = u(u32_add(min(u(TG), ng), 3) >> u(2))         # the tile's groups per warp
+            q0 = u32_mad(wid, ti, 0)                            # the warp's first slot in the tile
+            gx = min(q0, ng1)
+            x0w, x1w, x2w, x3w = _ld16_ro(pwa, int64(gx) * int64(64))
+            x4w, x5w, x6w, x7w = _ld16_ro(pwb, int64(gx) * int64(64))
+            xza, xzb, xua, xub, xea, xeb = _group_scales(is_int4, psa, psb, pza, pzb, int64(gx))
+            base = u(0)                                         # the tile's first group
+            tile = u(0)
+            while tile < n_tiles:
                 cuda.syncthreads()             # (the previous tile is no longer read)
-                t0 = it * u(W * GROUP)
-                e = tid
-                while e < u(NC * NCH):
-                    col = e // u(NCH)
-                    c = e % u(NCH)
-                    kk = t0 + u(8) * c
-                    w0 = w1 = w2 = w3 = u(0)
-                    if kk < ku and col0 + col < u(n_batch):
-                        x0, x1, x2, x3 = ld8_ro(x, (col0 + col, kk))
-                        w0 = (x0 & lo16) | (x2 << u(16))       # (x[0], x[4])
-                        w1 = (x0 >> u(16)) | (x2 & hi16)       # (x[1], x[5])
-                        w2 = (x1 & lo16) | (x3 << u(16))       # (x[2], x[6])
-                        w3 = (x1 >> u(16)) | (x3 & hi16)       # (x[3], x[7])
-                    r = c % u(16)              # chunk r of its group: lane t = r // 4, word om = r % 4
-                    o = col * u(CS) + (c // u(16)) * u(64) + (r // u(4)) * u(16) + u(4) * ((r + r // u(4)) & u(3))
-                    st4w(xs, o, w0, w1, w2, w3)
-                    e += u(mh.THREADS)
+                if MXD:
+                    acc0 += ta0 * tfac
+                    acc2 += ta2 * tfac
+                    ta0 = ta2 = float32(0.0)
+                    tfac = _stage_x_mx(xs, x, tid, u32_mad(base, GROUP, 0), ku, mx, tile % u(2), xw)
+                else:
+                    _stage_x(xs, x, tid, u32_mad(base, GROUP, 0), ku, col0, n_batch, NC, NCH, CS)
                 cuda.syncthreads()
-            gi = u32_mad(it, W, wid)
-            if CPA:                            # issue stage it + S - 1, wait for stage it, read it
-                gq = min(gi + u((S - 1) * W), ng1)
-                sq = ((it + u(S - 1)) % u(S)) * u(256)
-                cp_async16(ring, slot + sq, packed, wa0 + gq * u(64))
-                cp_async16(ring, slot + sq + u(128), packed, wb0 + gq * u(64))
-                cp_async_commit()
-                WAIT()
-                sc = (it % u(S)) * u(256)
-                a0w, a1w, a2w, a3w = ld4w(ring, slot + sc)
-                b0w, b1w, b2w, b3w = ld4w(ring, slot + sc + u(128))
-                za, zb, ua, ub, ea, eb = qa, qb, sa, sb, na, nb
-                gn = min(gi + u(W), ng1)       # scales: one group ahead in registers (mostly L1 hits)
-                if is_int4:
-                    qa, qb = float32(zeros[sa0 + gn]), float32(zeros[sb0 + gn])
-                    sa, sb = float32(scales[sa0 + gn]), float32(scales[sb0 + gn])
-                else:
-                    na, nb = u(scales[sa0 + u(4) * gn]), u(scales[sb0 + u(4) * gn])
-            elif PF:
-                a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w = pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3
-                za, zb, ua, ub, ea, eb = qa, qb, sa, sb, na, nb
-                gn = min(u32_add(gi, W), ng1)  # the last iteration reloads a group that is still cached
-                pa0, pa1, pa2, pa3 = _ld16_ro(packed, u32_mad(gn, 64, wa0))
-                pb0, pb1, pb2, pb3 = _ld16_ro(packed, u32_mad(gn, 64, wb0))
-                if is_int4:
-                    qa, qb = float32(zeros[u32_add(sa0, gn)]), float32(zeros[u32_add(sb0, gn)])
-                    sa, sb = float32(scales[u32_add(sa0, gn)]), float32(scales[u32_add(sb0, gn)])
-                else:
-                    na, nb = u(scales[u32_mad(gn, 4, sa0)]), u(scales[u32_mad(gn, 4, sb0)])
+                nbase = u32_add(base, TG)      # the next tile's run (for the last pair's X)
+                nti = u(u32_add(min(u(TG), u32_mad(nbase, 0xFFFFFFFF, ng)), 3) >> u(2)) if nbase < ng else u(0)
+                nq0 = u32_mad(wid, nti, 0)
+                p = u(0)
+                while p < ti:                  # slots q0 + p (X) and q0 + p + 1 (Y) of the warp's run
+                    qy = u32_add(q0, u32_add(p, 1))
+                    gy = min(u32_add(base, qy), ng1)
+                    y0w, y1w, y2w, y3w = _ld16_ro(pwa, int64(gy) * int64(64))
+                    y4w, y5w, y6w, y7w = _ld16_ro(pwb, int64(gy) * int64(64))
+                    yza, yzb, yua, yub, yea, yeb = _group_scales(is_int4, psa, psb, pza, pzb, int64(gy))
+                    xo = u32_mad(u32_add(q0, p), xst, xbb)
+                    if MXD and not PROBE:
+                        ta0, ta2 = _acc_group_mxd(x0w, x1w, x2w, x3w, x4w, x5w, x6w, x7w, xea, xeb,
+                                                  xs, xo, scratch, ta0, ta2)
+                    else:
+                        acc0, acc1, acc2, acc3 = _acc_group(
+                            is_int4, PROBE, x0w, x1w, x2w, x3w, x4w, x5w, x6w, x7w, xza, xzb, xua, xub, xea, xeb,
+                            xs, xo, xr0, xr1, xr2, xr3, scratch, acc0, acc1, acc2, acc3)
+                    p = u32_add(p, 2)
+                    gx = min(u32_add(base, u32_add(q0, p)) if p < ti else u32_add(nbase, nq0), ng1)
+                    x0w, x1w, x2w, x3w = _ld16_ro(pwa, int64(gx) * int64(64))
+                    x4w, x5w, x6w, x7w = _ld16_ro(pwb, int64(gx) * int64(64))
+                    xza, xzb, xua, xub, xea, xeb = _group_scales(is_int4, psa, psb, pza, pzb, int64(gx))
+                    if u32_add(p, 0xFFFFFFFF) < ti:
+                        xo = u32_mad(qy, xst, xbb)
+                        if MXD and not PROBE:
+                            ta0, ta2 = _acc_group_mxd(y0w, y1w, y2w, y3w, y4w, y5w, y6w, y7w, yea, yeb,
+                                                      xs, xo, scratch, ta0, ta2)
+                        else:
+                            acc0, acc1, acc2, acc3 = _acc_group(
+                                is_int4, PROBE, y0w, y1w, y2w, y3w, y4w, y5w, y6w, y7w, yza, yzb, yua, yub, yea,
+                                yeb, xs, xo, xr0, xr1, xr2, xr3, scratch, acc0, acc1, acc2, acc3)
+                base = nbase
+                ti = nti
+                q0 = nq0
+                tile = u32_add(tile, 1)
+            if MXD:                            # the last tile's sums; then the 4 blocks of a row: lanes t
+                acc0 = mh.quad_sum(acc0 + ta0 * tfac, qsum)
+                acc2 = mh.quad_sum(acc2 + ta2 * tfac, qsum)
+        else:
+            n_it = (ng + u(W - 1)) // u(W)         # the same trip count in every warp (the mma is warp-wide)
+            # the first group's loads (with prefetch: then always one group ahead)
+            gc = min(wid, ng1)
+            if CPA:                                # stages 0 .. S - 2 in flight before the loop
+                pa0 = pa1 = pa2 = pa3 = pb0 = pb1 = pb2 = pb3 = u(0)
+                for q in range(S - 1):
+                    gq = min(u(q * W) + wid, ng1)
+                    cp_async16(ring, slot + u(2 * q * 128), packed, wa0 + gq * u(64))
+                    cp_async16(ring, slot + u((2 * q + 1) * 128), packed, wb0 + gq * u(64))
+                    cp_async_commit()
             else:
-                gc = min(gi, ng1)
-                a0w, a1w, a2w, a3w = _ld16_ro(packed, u32_mad(gc, 64, wa0))
-                b0w, b1w, b2w, b3w = _ld16_ro(packed, u32_mad(gc, 64, wb0))
-                za = zb = ua = ub = float32(0.0)
-                ea = eb = u(0)
-                if is_int4:
-                    za, zb = float32(zeros[sa0 + gc]), float32(zeros[sb0 + gc])
-                    ua, ub = float32(scales[sa0 + gc]), float32(scales[sb0 + gc])
+                pa0, pa1, pa2, pa3 = _ld16_ro(packed, wa0 + gc * u(64))
+                pb0, pb1, pb2, pb3 = _ld16_ro(packed, wb0 + gc * u(64))
+            qa = qb = sa = sb = float32(0.0)       # int4: zero points and scales of the loaded group
+            na = nb = u(0)                         # mxfp4: the lane's E8M0 exponents of the loaded group
+            if is_int4:
+                qa, qb = float32(zeros[sa0 + gc]), float32(zeros[sb0 + gc])
+                sa, sb = float32(scales[sa0 + gc]), float32(scales[sb0 + gc])
+            else:
+                na, nb = u(scales[sa0 + u(4) * gc]), u(scales[sb0 + u(4) * gc])
+            it = u(0)
+            while it < n_it:
+                if it % u(TI) == u(0):             # stage the next tile of x, permuted into B pairs
+                    cuda.syncthreads()             # (the previous tile is no longer read)
+                    _stage_x(xs, x, tid, it * u(W * GROUP), ku, col0, n_batch, NC, NCH, CS)
+                    cuda.syncthreads()
+                gi = u32_mad(it, W, wid)
+                if CPA:                            # issue stage it + S - 1, wait for stage it, read it
+                    gq = min(gi + u((S - 1) * W), ng1)
+                    sq = ((it + u(S - 1)) % u(S)) * u(256)
+                    cp_async16(ring, slot + sq, packed, wa0 + gq * u(64))
+                    cp_async16(ring, slot + sq + u(128), packed, wb0 + gq * u(64))
+                    cp_async_commit()
+                    WAIT()
+                    sc = (it % u(S)) * u(256)
+                    a0w, a1w, a2w, a3w = ld4w(ring, slot + sc)
+                    b0w, b1w, b2w, b3w = ld4w(ring, slot + sc + u(128))
+                    za, zb, ua, ub, ea, eb = qa, qb, sa, sb, na, nb
+                    gn = min(gi + u(W), ng1)       # scales: one group ahead in registers (mostly L1 hits)
+                    if is_int4:
+                        qa, qb = float32(zeros[sa0 + gn]), float32(zeros[sb0 + gn])
+                        sa, sb = float32(scales[sa0 + gn]), float32(scales[sb0 + gn])
+                    else:
+                        na, nb = u(scales[sa0 + u(4) * gn]), u(scales[sb0 + u(4) * gn])
+                elif PF:
+                    a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w = pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3
+                    za, zb, ua, ub, ea, eb = qa, qb, sa, sb, na, nb
+                    gn = min(u32_add(gi, W), ng1)  # the last iteration reloads a group that is still cached
+                    pa0, pa1, pa2, pa3 = _ld16_ro(packed, u32_mad(gn, 64, wa0))
+                    pb0, pb1, pb2, pb3 = _ld16_ro(packed, u32_mad(gn, 64, wb0))
+                    if is_int4:
+                        qa, qb = float32(zeros[u32_add(sa0, gn)]), float32(zeros[u32_add(sb0, gn)])
+                        sa, sb = float32(scales[u32_add(sa0, gn)]), float32(scales[u32_add(sb0, gn)])
+                    else:
+                        na, nb = u(scales[u32_mad(gn, 4, sa0)]), u(scales[u32_mad(gn, 4, sb0)])
                 else:
-                    ea, eb = u(scales[sa0 + u(4) * gc]), u(scales[sb0 + u(4) * gc])
-            if L2A > 0:
-                gl = min(gi + u(L2A * W), ng1)
-                prefetch_l2(packed, wa0 + gl * u(64))
-                prefetch_l2(packed, wb0 + gl * u(64))
-            # groups past K (the clamped reloads) meet staged zeros of x: they add nothing
-            xo = u32_mad(u32_mad(it % u(TI), W, wid), 64, xb)
-            if PROBE:                          # keep every load live, multiply nothing
-                xq0, xq1, xq2, xq3 = ld4w(xs, xo + xr0)
-                v = a0w ^ a1w ^ a2w ^ a3w ^ b0w ^ b1w ^ b2w ^ b3w ^ xq0 ^ xq3 ^ u(za + zb + ua + ub) ^ ea ^ eb
-                acc0 += float32(v & u(1))
-            elif is_int4:                        # c: -(128 + zero) per row, the D scale after the group
-                ca = mh.pack_bf16x2(-(za + float32(128.0)), -(za + float32(128.0)))
-                cb = mh.pack_bf16x2(-(zb + float32(128.0)), -(zb + float32(128.0)))
-                d0, d1, d2, d3 = _group(True, False, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, ca, cb, ca, cb,
-                                        xs, u32_add(xo, xr0), u32_add(xo, xr1), u32_add(xo, xr2), u32_add(xo, xr3), scratch)
-                acc0 += d0 * ua
-                acc1 += d1 * ua
-                acc2 += d2 * ub
-                acc3 += d3 * ub
-            else:                              # ea, eb: the lane's E8M0 exponents e (0..254)
-                if warp_any(ea > u(128) or eb > u(128)):
-                    # 2^126 then 2^(e - 127) (e = 0: 2^-127, a bf16 subnormal)
-                    sa2 = u(0x40) if ea == u(0) else ea << u(7)
-                    sb2 = u(0x40) if eb == u(0) else eb << u(7)
-                    d0, d1, d2, d3 = _group(False, True, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w,
-                                            u(0x7E807E80), u(0x7E807E80),
-                                            sa2 | (sa2 << u(16)), sb2 | (sb2 << u(16)),
-                                            xs, u32_add(xo, xr0), u32_add(xo, xr1), u32_add(xo, xr2), u32_add(xo, xr3), scratch)
-                else:                          # one fma by 2^(e - 1): bf16 exponent field e + 126
-                    sa1 = (ea + u(126)) << u(7)
-                    sb1 = (eb + u(126)) << u(7)
-                    d0, d1, d2, d3 = _group(False, False, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w,
-                                            sa1 | (sa1 << u(16)), sb1 | (sb1 << u(16)), u(0), u(0),
-                                            xs, u32_add(xo, xr0), u32_add(xo, xr1), u32_add(xo, xr2), u32_add(xo, xr3), scratch)
-                acc0 += d0
-                acc1 += d1
-                acc2 += d2
-                acc3 += d3
-            it = u32_add(it, 1)
+                    gc = min(gi, ng1)
+                    a0w, a1w, a2w, a3w = _ld16_ro(packed, u32_mad(gc, 64, wa0))
+                    b0w, b1w, b2w, b3w = _ld16_ro(packed, u32_mad(gc, 64, wb0))
+                    za = zb = ua = ub = float32(0.0)
+                    ea = eb = u(0)
+                    if is_int4:
+                        za, zb = float32(zeros[sa0 + gc]), float32(zeros[sb0 + gc])
+                        ua, ub = float32(scales[sa0 + gc]), float32(scales[sb0 + gc])
+                    else:
+                        ea, eb = u(scales[sa0 + u(4) * gc]), u(scales[sb0 + u(4) * gc])
+                if L2A > 0:
+                    gl = min(gi + u(L2A * W), ng1)
+                    prefetch_l2(packed, wa0 + gl * u(64))
+                    prefetch_l2(packed, wb0 + gl * u(64))
+                # groups past K (the clamped reloads) meet staged zeros of x: they add nothing
+                xo = u32_mad(u32_mad(it % u(TI), W, wid), 64, xb)
+                acc0, acc1, acc2, acc3 = _acc_group(is_int4, PROBE, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, za, zb, ua, ub,
+                                                    ea, eb, xs, xo, xr0, xr1, xr2, xr3, scratch, acc0, acc1, acc2, acc3)
+                it = u32_add(it, 1)
         red[wid, lane, 0] = acc0
         red[wid, lane, 1] = acc1
         red[wid, lane, 2] = acc2

@@ -168,16 +168,19 @@ def test_qgemv_mxfp4_mma_route_matches_reference(n, k, b, bias, prefetch, stages
     assert np.all(np.abs(got.astype(np.int32) - qgemv.reference_mxfp4(*qw, x, bb).astype(np.int32)) <= 1)
 
 
+@pytest.mark.parametrize("route", ["mx16", "mma"])
 @pytest.mark.parametrize("n,k,bias,x_scale", [
     (20, 640, True, 1.0),       # 5 groups over 4 warps, two row tiles, bias
     (9, 8320, False, 3e-3),     # 65 groups: x staged in three tiles (4096, 4096, 128), each with its own E
 ])
-def test_qgemv_mxfp4_mx16_route_matches_reference(n, k, bias, x_scale):
-    """MXFP4 at batch 1 on f16 tensor cores (kernels/qgemv_mx16.py): E2M1 codes spread into E4M3 bytes,
-    converted to exact f16 pairs, x staged as f16 scaled by its tile's largest value, the block scale on D.
+def test_qgemv_mxfp4_batch1_block_scale_on_d_matches_reference(route, n, k, bias, x_scale):
+    """MXFP4 at batch 1 with the block scale applied to the mma's D, x staged scaled by its tile's
+    largest value: ``mx16`` (kernels/qgemv_mx16.py: E2M1 codes spread into E4M3 bytes, converted to exact
+    f16 pairs, x as f16) and the default ``mma`` route (kernels/qgemv_mma.py: bf16 codes · 2^-126, x as
+    bf16 · 2^c, B's column 2t holding x only at MX block t so that D column 2t is that block's sum).
     Rows with block scales 2^-127 (e = 0), tiny and large. With three tiles, the first holds only an
     outlier 10^10 times the later values (against zero weights): a later tile scaled by the first tile's
-    largest would lose its values' low bits in f16."""
+    largest would lose its values' low bits (f16), or its products would fall below fp32's range (bf16)."""
     rng = np.random.default_rng(n * k + 5)
     w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
     w[1, :32] *= 1e-37                        # e = 0: scale 2^-127
@@ -195,10 +198,11 @@ def test_qgemv_mxfp4_mx16_route_matches_reference(n, k, bias, x_scale):
     bb = f32_to_bf16(rng.standard_normal(n).astype(np.float32)) if bias else None
     out = cuda.device_array((1, n), np.uint16)
     qgemv.qgemv_mxfp4(dev(qw.packed), dev(qw.scales), dev(x), out, bias=None if bb is None else dev(bb),
-                      config=qgemv.QgemvConfig(route="mx16"))
+                      config=qgemv.QgemvConfig(route=route))
     got = out.copy_to_host()
     check(got, dequantize_mxfp4(*qw), x, bb)
     assert np.all(np.abs(got.astype(np.int32) - qgemv.reference_mxfp4(*qw, x, bb).astype(np.int32)) <= 1)
-    with pytest.raises(ValueError, match="mx16"):
-        qgemv.qgemv_mxfp4(dev(qw.packed), dev(qw.scales), dev(np.concatenate([x, x])),
-                          cuda.device_array((2, n), np.uint16), config=qgemv.QgemvConfig(route="mx16"))
+    if route == "mx16":
+        with pytest.raises(ValueError, match="mx16"):
+            qgemv.qgemv_mxfp4(dev(qw.packed), dev(qw.scales), dev(np.concatenate([x, x])),
+                              cuda.device_array((2, n), np.uint16), config=qgemv.QgemvConfig(route="mx16"))
