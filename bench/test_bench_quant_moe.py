@@ -27,7 +27,7 @@ INT4_BAR, MX_BAR, MOE_BAR = 1.0, 0.70, 0.70
 ROUTES = pytest.mark.parametrize("route,prefetch,stages", [("simt", True, 0), ("mma", True, 0), ("mma", False, 0),
                                                           ("mma", True, 3), ("mma", True, 4), ("mma", True, 5)],
                                  ids=["simt", "mma", "mma-noprefetch", "mma-cpasync3", "mma-cpasync4", "mma-cpasync5"])
-# MXFP4 at batch 1 also has the f16 tensor-core route (kernels/qgemv_mx16.py), its default
+# MXFP4 at batch 1 also has the opt-in f16 tensor-core route (kernels/qgemv_mx16.py)
 MX_ROUTES = pytest.mark.parametrize("route,prefetch,stages", [("simt", True, 0), ("mma", True, 0), ("mma", False, 0),
                                                              ("mma", True, 3), ("mma", True, 4), ("mma", True, 5),
                                                              ("mx16", True, 0)],

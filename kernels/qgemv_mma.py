@@ -7,9 +7,9 @@ core does the multiply-adds. At the decode shapes the loads alone run near the c
 docs/BENCHMARKS.md); what costs is the decode and mma work that the loads do not hide, so the layout keeps
 the instructions per value low:
 
-- a block is 4 warps over 16 rows of W and up to 8 columns of x (the batch; B = 1 leaves 7 idle); warp w
-  takes the int4 groups (128 values) w, w + 4, ... and the warps' partial sums meet in shared memory at the
-  end;
+- a block is 4 warps over 16 rows of W and up to 8 columns of x (the batch); warp w takes the int4 groups
+  (128 values) w, w + 4, ... and the warps' partial sums meet in shared memory at the end. At B = 1 the
+  loop takes two groups per step through two register sets, so that neither set is copied into the other;
 - lane (g, t) = (lane / 4, lane % 4) loads one 16-byte chunk (32 values) of rows g and g + 8 per group:
   values 32t .. 32t + 31 of the group (for MXFP4 that is exactly one block: one scale per lane and row).
   The next group's chunks and scales are loaded before the current group is multiplied (``prefetch``),
@@ -24,9 +24,14 @@ the instructions per value low:
   with 1.0 and −(128 + zero) leaves q − zero exactly (integers below 256 are exact in bf16); each group's
   D is scaled by its row's group scale once;
 - MXFP4: the three magnitude bits of an E2M1 code go to bf16 bits 8..6 and the sign to bit 15, which is
-  the value times 2^-126 (the code 0.5 a subnormal); one packed fma by 2^(e - 1) gives value · 2^(e - 127)
-  exactly. 2^(e - 1) is a bf16 for e <= 128 (block scales up to 2, every weight a model has); where a lane
-  of the warp holds a larger scale, the warp takes a second fma per pair for that group (a warp vote).
+  the value times 2^-126 (the code 0.5 a subnormal). At B > 1 one packed fma by 2^(e - 1) gives
+  value · 2^(e - 127) exactly (2^(e - 1) is a bf16 for e <= 128; where a lane of the warp holds a larger
+  scale, the warp takes a second fma per pair for that group, a warp vote). At B = 1 the codes enter the
+  mma as they are and the block scale goes on D instead: B's column 2t holds x only at the k of lane t's
+  chunk (the other lanes read a zero block), so D column 2t is MX block t's sum alone and lane t scales it
+  by its own 2^(e - 127) in fp32, two fma per group instead of one per pair. x is staged as bf16 x · 2^c
+  with c from the tile's largest |x| (exact, a power of two) so the products stay in fp32's normal range;
+  the tile's sum is taken back by 2^-c.
 
 Contract beyond the scalar route's: K a multiple of 128; int4 zero points integers in [0, 15]
 (``quantize_int4`` makes them so; a fractional zero would be rounded to bf16). Capture-safe; no workspace.
@@ -303,11 +308,10 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
         slot = (wid * u(S) * u(2)) * u(128) + lane * u(4)   # + (stage * 2 + row half) * 128
         acc0 = acc1 = acc2 = acc3 = float32(0.0)
         if B1:
-            # B = 1: warp w multiplies a contiguous run of each tile's groups, two per iteration through two
+            # B = 1: warp w multiplies groups w, w + 4, ... of each tile, two per iteration through two
             # register sets (X, Y): Y loads while X is multiplied, the next X while Y is; no copies between
             # them, one loop step per two groups. Slots past the last group of K hold staged zeros of x, so
-            # the clamped reloads there add nothing; a Y past the warp's run is not multiplied (it would be
-            # the next warp's first group).
+            # the clamped reloads there add nothing (nor does the Y past the tile's groups).
             # MXFP4 (MXD): B's column 2t holds x only at the k of lane t's MX block (lanes g != 2t read a
             # zero block), so D column 2t is block t's sum alone and lane t scales it by its own block scale:
             # no per-pair scaling. x is staged scaled by 2^c per tile (``_stage_x_mx``); the tile's sums
@@ -330,8 +334,7 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
             pza, pzb = zeros[int64(sa0):], zeros[int64(sb0):]
             n_tiles = (ng + u(TG - 1)) // u(TG)
             ti = u(u32_add(min(u(TG), ng), 3) >> u(2))         # the tile's groups per warp
-            q0 = u32_mad(wid, ti, 0)                            # the warp's first slot in the tile
-            gx = min(q0, ng1)
+            gx = min(wid, ng1)
             x0w, x1w, x2w, x3w = _ld16_ro(pwa, int64(gx) * int64(64))
             x4w, x5w, x6w, x7w = _ld16_ro(pwb, int64(gx) * int64(64))
             xza, xzb, xua, xub, xea, xeb = _group_scales(is_int4, psa, psb, pza, pzb, int64(gx))
@@ -347,17 +350,16 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                 else:
                     _stage_x(xs, x, tid, u32_mad(base, GROUP, 0), ku, col0, n_batch, NC, NCH, CS)
                 cuda.syncthreads()
-                nbase = u32_add(base, TG)      # the next tile's run (for the last pair's X)
+                nbase = u32_add(base, TG)      # the next tile (for the last pair's X)
                 nti = u(u32_add(min(u(TG), u32_mad(nbase, 0xFFFFFFFF, ng)), 3) >> u(2)) if nbase < ng else u(0)
-                nq0 = u32_mad(wid, nti, 0)
                 p = u(0)
-                while p < ti:                  # slots q0 + p (X) and q0 + p + 1 (Y) of the warp's run
-                    qy = u32_add(q0, u32_add(p, 1))
+                while p < ti:                  # slots 4p + w (X) and 4p + 4 + w (Y)
+                    qy = u32_mad(u32_add(p, 1), W, wid)
                     gy = min(u32_add(base, qy), ng1)
                     y0w, y1w, y2w, y3w = _ld16_ro(pwa, int64(gy) * int64(64))
                     y4w, y5w, y6w, y7w = _ld16_ro(pwb, int64(gy) * int64(64))
                     yza, yzb, yua, yub, yea, yeb = _group_scales(is_int4, psa, psb, pza, pzb, int64(gy))
-                    xo = u32_mad(u32_add(q0, p), xst, xbb)
+                    xo = u32_mad(u32_mad(p, W, wid), xst, xbb)
                     if MXD and not PROBE:
                         ta0, ta2 = _acc_group_mxd(x0w, x1w, x2w, x3w, x4w, x5w, x6w, x7w, xea, xeb,
                                                   xs, xo, scratch, ta0, ta2)
@@ -366,7 +368,7 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                             is_int4, PROBE, x0w, x1w, x2w, x3w, x4w, x5w, x6w, x7w, xza, xzb, xua, xub, xea, xeb,
                             xs, xo, xr0, xr1, xr2, xr3, scratch, acc0, acc1, acc2, acc3)
                     p = u32_add(p, 2)
-                    gx = min(u32_add(base, u32_add(q0, p)) if p < ti else u32_add(nbase, nq0), ng1)
+                    gx = min(u32_add(base, u32_mad(p, W, wid)) if p < ti else u32_add(nbase, wid), ng1)
                     x0w, x1w, x2w, x3w = _ld16_ro(pwa, int64(gx) * int64(64))
                     x4w, x5w, x6w, x7w = _ld16_ro(pwb, int64(gx) * int64(64))
                     xza, xzb, xua, xub, xea, xeb = _group_scales(is_int4, psa, psb, pza, pzb, int64(gx))
@@ -381,7 +383,6 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                                 yeb, xs, xo, xr0, xr1, xr2, xr3, scratch, acc0, acc1, acc2, acc3)
                 base = nbase
                 ti = nti
-                q0 = nq0
                 tile = u32_add(tile, 1)
             if MXD:                            # the last tile's sums; then the 4 blocks of a row: lanes t
                 acc0 = mh.quad_sum(acc0 + ta0 * tfac, qsum)

@@ -155,7 +155,8 @@ def test_qgemv_mma_route(stream, rng, kind, n, k, b, bias, prefetch, l2, stages)
 @pytest.mark.parametrize("n,k,bias", [(I, H, False), (H, I, True)])
 def test_qgemv_mx16_route(stream, rng, n, k, bias):
     """MXFP4 at batch 1 on f16 tensor cores (kernels/qgemv_mx16.py) at Llama-8B MLP shapes: x staged in one
-    tile (K 4096) and in four (K 14336), the default route for MXFP4 at batch 1; same bounds as the others."""
+    tile (K 4096) and in four (K 14336), then the same call through the default route (the mma route's
+    batch-1 path, block scales on D); same bounds as the others."""
     from numba import cuda
     x = f32_to_bf16(rng.standard_normal((1, k), dtype=np.float32))
     bb = f32_to_bf16(rng.standard_normal(n, dtype=np.float32)) if bias else None
