@@ -329,7 +329,7 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                     xbb = u32_mad(t, 16, 0)
                 xr0, xr1, xr2, xr3 = u(0), u(4), u(8), u(12)
             xst, xbb = u32_pin(xst), u32_pin(xbb)
-            # the lane's rows as views: a load's address is then one wide mad of the group index
+            # the lane's rows as views from group 0: a load's 64-bit offset is one wide mad of the group index
             pwa, pwb, psa, psb = packed[int64(wa0):], packed[int64(wb0):], scales[int64(sa0):], scales[int64(sb0):]
             pza, pzb = zeros[int64(sa0):], zeros[int64(sb0):]
             n_tiles = (ng + u(TG - 1)) // u(TG)
