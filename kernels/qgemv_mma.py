@@ -307,6 +307,9 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
         ring = cuda.shared.array(RING, np.uint32)
         slot = (wid * u(S) * u(2)) * u(128) + lane * u(4)   # + (stage * 2 + row half) * 128
         acc0 = acc1 = acc2 = acc3 = float32(0.0)
+        # the lane's rows as views from group 0: a load's 64-bit offset is one wide mad of the group index
+        pwa, pwb, psa, psb = packed[int64(wa0):], packed[int64(wb0):], scales[int64(sa0):], scales[int64(sb0):]
+        pza, pzb = zeros[int64(sa0):], zeros[int64(sb0):]
         if B1:
             # B = 1: warp w multiplies groups w, w + 4, ... of each tile, two per iteration through two
             # register sets (X, Y): Y loads while X is multiplied, the next X while Y is; no copies between
@@ -329,9 +332,6 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                     xbb = u32_mad(t, 16, 0)
                 xr0, xr1, xr2, xr3 = u(0), u(4), u(8), u(12)
             xst, xbb = u32_pin(xst), u32_pin(xbb)
-            # the lane's rows as views from group 0: a load's 64-bit offset is one wide mad of the group index
-            pwa, pwb, psa, psb = packed[int64(wa0):], packed[int64(wb0):], scales[int64(sa0):], scales[int64(sb0):]
-            pza, pzb = zeros[int64(sa0):], zeros[int64(sb0):]
             n_tiles = (ng + u(TG - 1)) // u(TG)
             ti = u(u32_add(min(u(TG), ng), 3) >> u(2))         # the tile's groups per warp
             gx = min(wid, ng1)
@@ -401,13 +401,8 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
             else:
                 pa0, pa1, pa2, pa3 = _ld16_ro(packed, wa0 + gc * u(64))
                 pb0, pb1, pb2, pb3 = _ld16_ro(packed, wb0 + gc * u(64))
-            qa = qb = sa = sb = float32(0.0)       # int4: zero points and scales of the loaded group
-            na = nb = u(0)                         # mxfp4: the lane's E8M0 exponents of the loaded group
-            if is_int4:
-                qa, qb = float32(zeros[sa0 + gc]), float32(zeros[sb0 + gc])
-                sa, sb = float32(scales[sa0 + gc]), float32(scales[sb0 + gc])
-            else:
-                na, nb = u(scales[sa0 + u(4) * gc]), u(scales[sb0 + u(4) * gc])
+            # the loaded group's constants (int4 zero points and scales, MXFP4 the lane's E8M0 exponents)
+            qa, qb, sa, sb, na, nb = _group_scales(is_int4, psa, psb, pza, pzb, int64(gc))
             it = u(0)
             while it < n_it:
                 if it % u(TI) == u(0):             # stage the next tile of x, permuted into B pairs
@@ -427,33 +422,19 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                     b0w, b1w, b2w, b3w = ld4w(ring, slot + sc + u(128))
                     za, zb, ua, ub, ea, eb = qa, qb, sa, sb, na, nb
                     gn = min(gi + u(W), ng1)       # scales: one group ahead in registers (mostly L1 hits)
-                    if is_int4:
-                        qa, qb = float32(zeros[sa0 + gn]), float32(zeros[sb0 + gn])
-                        sa, sb = float32(scales[sa0 + gn]), float32(scales[sb0 + gn])
-                    else:
-                        na, nb = u(scales[sa0 + u(4) * gn]), u(scales[sb0 + u(4) * gn])
+                    qa, qb, sa, sb, na, nb = _group_scales(is_int4, psa, psb, pza, pzb, int64(gn))
                 elif PF:
                     a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w = pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3
                     za, zb, ua, ub, ea, eb = qa, qb, sa, sb, na, nb
                     gn = min(u32_add(gi, W), ng1)  # the last iteration reloads a group that is still cached
                     pa0, pa1, pa2, pa3 = _ld16_ro(packed, u32_mad(gn, 64, wa0))
                     pb0, pb1, pb2, pb3 = _ld16_ro(packed, u32_mad(gn, 64, wb0))
-                    if is_int4:
-                        qa, qb = float32(zeros[u32_add(sa0, gn)]), float32(zeros[u32_add(sb0, gn)])
-                        sa, sb = float32(scales[u32_add(sa0, gn)]), float32(scales[u32_add(sb0, gn)])
-                    else:
-                        na, nb = u(scales[u32_mad(gn, 4, sa0)]), u(scales[u32_mad(gn, 4, sb0)])
+                    qa, qb, sa, sb, na, nb = _group_scales(is_int4, psa, psb, pza, pzb, int64(gn))
                 else:
                     gc = min(gi, ng1)
                     a0w, a1w, a2w, a3w = _ld16_ro(packed, u32_mad(gc, 64, wa0))
                     b0w, b1w, b2w, b3w = _ld16_ro(packed, u32_mad(gc, 64, wb0))
-                    za = zb = ua = ub = float32(0.0)
-                    ea = eb = u(0)
-                    if is_int4:
-                        za, zb = float32(zeros[sa0 + gc]), float32(zeros[sb0 + gc])
-                        ua, ub = float32(scales[sa0 + gc]), float32(scales[sb0 + gc])
-                    else:
-                        ea, eb = u(scales[sa0 + u(4) * gc]), u(scales[sb0 + u(4) * gc])
+                    za, zb, ua, ub, ea, eb = _group_scales(is_int4, psa, psb, pza, pzb, int64(gc))
                 if L2A > 0:
                     gl = min(gi + u(L2A * W), ng1)
                     prefetch_l2(packed, wa0 + gl * u(64))
