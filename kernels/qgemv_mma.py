@@ -113,10 +113,17 @@ def _group(is_int4, two, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, ca, cb, c2a, c2
 
 
 @cuda.jit(device=True, inline="always")
+def _b_pairs(x0, x1, x2, x3):
+    """Eight bf16 values of x (four words) -> the B pairs (x[0], x[4]), (x[1], x[5]), (x[2], x[6]), (x[3], x[7])."""
+    lo16, hi16 = uint32(0xFFFF), uint32(0xFFFF0000)
+    return ((x0 & lo16) | (x2 << uint32(16)), (x0 >> uint32(16)) | (x2 & hi16),
+            (x1 & lo16) | (x3 << uint32(16)), (x1 >> uint32(16)) | (x3 & hi16))
+
+
+@cuda.jit(device=True, inline="always")
 def _stage_x(xs, x, tid, t0, ku, col0, n_batch, NC, NCH, CS):
     """Stage the x tile starting at K index t0 into ``xs``, permuted into B pairs (every thread calls it)."""
     u = uint32
-    lo16, hi16 = u(0xFFFF), u(0xFFFF0000)
     e = tid
     while e < u(NC * NCH):
         col = e // u(NCH)
@@ -125,10 +132,7 @@ def _stage_x(xs, x, tid, t0, ku, col0, n_batch, NC, NCH, CS):
         w0 = w1 = w2 = w3 = u(0)
         if kk < ku and col0 + col < u(n_batch):
             x0, x1, x2, x3 = ld8_ro(x, (col0 + col, kk))
-            w0 = (x0 & lo16) | (x2 << u(16))       # (x[0], x[4])
-            w1 = (x0 >> u(16)) | (x2 & hi16)       # (x[1], x[5])
-            w2 = (x1 & lo16) | (x3 << u(16))       # (x[2], x[6])
-            w3 = (x1 >> u(16)) | (x3 & hi16)       # (x[3], x[7])
+            w0, w1, w2, w3 = _b_pairs(x0, x1, x2, x3)
         r = c % u(16)              # chunk r of its group: lane t = r // 4, word om = r % 4
         o = col * u(CS) + (c // u(16)) * u(64) + (r // u(4)) * u(16) + u(4) * ((r + r // u(4)) & u(3))
         st4w(xs, o, w0, w1, w2, w3)
@@ -143,7 +147,6 @@ def _stage_x_mx(xs, x, tid, t0, ku, mx, slot, xw):
     tile's block-scaled mma sums back to x's scale. ``mx[slot]``: the block-wide largest (reset by the
     caller's previous tile); ``xw``: the thread's 16 words of x while it is found."""
     u = uint32
-    lo16, hi16 = u(0xFFFF), u(0xFFFF0000)
     mlo = mhi = u(0)                       # the largest |x| of the low and the high halves (bf16 bits)
     for j in range(4):                     # chunk c = tid + 128 j: values t0 + 8c .. t0 + 8c + 7
         kk = u32_add(t0, u(8) * (tid + u(128 * j)))
@@ -166,10 +169,9 @@ def _stage_x_mx(xs, x, tid, t0, ku, mx, slot, xw):
         x0, x1, x2, x3 = xw[4 * j], xw[4 * j + 1], xw[4 * j + 2], xw[4 * j + 3]
         r = c % u(16)
         o = (c // u(16)) * u(64) + r * u(4)     # group, lane r // 4, word r % 4 (no rotation: see the kernel)
-        st4w(xs, o, mh.fma_bf16x2((x0 & lo16) | (x2 << u(16)), sc, u(0)),
-             mh.fma_bf16x2((x0 >> u(16)) | (x2 & hi16), sc, u(0)),
-             mh.fma_bf16x2((x1 & lo16) | (x3 << u(16)), sc, u(0)),
-             mh.fma_bf16x2((x1 >> u(16)) | (x3 & hi16), sc, u(0)))
+        w0, w1, w2, w3 = _b_pairs(x0, x1, x2, x3)
+        st4w(xs, o, mh.fma_bf16x2(w0, sc, u(0)), mh.fma_bf16x2(w1, sc, u(0)), mh.fma_bf16x2(w2, sc, u(0)),
+             mh.fma_bf16x2(w3, sc, u(0)))
     return u32_as_f32(ef << u(23))
 
 
