@@ -19,6 +19,9 @@ Device side (identical call sites compiled and simulated):
 - ``ld1w_ro``: one word of a read-only 1-D uint32 array (``ld.global.nc``). ``u32_add`` / ``u32_mad``: index
   arithmetic in 32 bits (Numba widens uint32 operands to 64 bits, which costs carry and compare pairs in
   hot loops). ``f32_as_u32`` / ``u32_as_f32``: bit casts.
+- ``lane_ptr`` / ``ptr_add`` / ``ld16_at`` / ``ld1b_at``: a thread's base address in a 1-D uint8 array held in one
+  register, and read-only 16-byte and 1-byte loads at base + i * step (the simulator's "address" is the
+  element offset).
 - ``warp_any``: a full-warp vote. ``warp_sum`` / ``warp_argmax`` / ``warp_incl_scan`` (and ``block_sum``):
   full-warp shuffle reductions
   and scans (int32/int64/float values only: that is what ``shfl.sync`` takes). The simulator has no
@@ -217,6 +220,29 @@ if SIM:
     def u32_pin(a):
         return np.uint32(a)
 
+    def lane_ptr(arr, off):
+        """The simulator's "address": the element offset itself (``ld16_at`` / ``ld1b_at`` read ``arr`` there)."""
+        return int(off)
+
+    def ptr_add(p, i, step):
+        return int(p) + int(i) * int(step)
+
+    def ld16_at(arr, p):
+        a = arr._ary if hasattr(arr, "_ary") else arr
+        if a.dtype != np.uint8 or a.ndim != 1:
+            raise IndexError("ld16_at: 16 bytes of a 1-D uint8 array")
+        v = np.ascontiguousarray(a[int(p):int(p) + 16])
+        if v.shape[0] != 16:
+            raise IndexError("vector load past the end of the array")
+        w = v.view(np.uint32)
+        return np.uint32(w[0]), np.uint32(w[1]), np.uint32(w[2]), np.uint32(w[3])
+
+    def ld1b_at(arr, p):
+        a = arr._ary if hasattr(arr, "_ary") else arr
+        if a.dtype != np.uint8 or a.ndim != 1:
+            raise IndexError("ld1b_at: a byte of a 1-D uint8 array")
+        return np.uint32(a[int(p)])
+
     def ld1w_ro(arr, i):
         a = arr._ary if hasattr(arr, "_ary") else arr
         if a.dtype != np.uint32:
@@ -367,6 +393,60 @@ else:
             i32 = ir.IntType(32)
             asm = ir.InlineAsm(ir.FunctionType(i32, [i32]), "mov.b32 $0, $1;", "=r,r")
             return builder.call(asm, [args[0]])
+        return sig, codegen
+
+    @intrinsic
+    def lane_ptr(typingctx, arr, off):
+        """The global address of element ``off`` of a 1-D array, through an opaque ``mov``: a per-thread base
+        kept in one 64-bit register, so a load at ``ptr_add(p, i, step)`` is one wide multiply-add (the code
+        generator would otherwise add the array's base to each load's offset in two more instructions)."""
+        sig = types.uint64(arr, off)
+
+        def codegen(context, builder, sig, args):
+            i64 = ir.IntType(64)
+            a = context.make_array(sig.args[0])(context, builder, value=args[0])
+            o = context.cast(builder, args[1], sig.args[1], types.intp)
+            v = builder.ptrtoint(builder.gep(a.data, [o], inbounds=True), i64)
+            asm = ir.InlineAsm(ir.FunctionType(i64, [i64]), "mov.b64 $0, $1;", "=l,l")
+            return builder.call(asm, [v])
+        return sig, codegen
+
+    @intrinsic
+    def ptr_add(typingctx, p, i, step):
+        """p + i * step in 64 bits, i an unsigned 32-bit index (``mad.wide.u32``)."""
+        sig = types.uint64(types.uint64, types.uint32, types.uint32)
+
+        def codegen(context, builder, sig, args):
+            i64 = ir.IntType(64)
+            return builder.add(args[0], builder.mul(builder.zext(args[1], i64), builder.zext(args[2], i64)))
+        return sig, codegen
+
+    @intrinsic
+    def ld16_at(typingctx, arr, p):
+        """16 bytes at the global address ``p`` (from ``lane_ptr``; 16-byte aligned, read-only during the
+        kernel) as four words: one ``ld.global.nc.v4.u32``, issued where it is written (a side effect to the
+        optimizer, which would otherwise sink a prefetch into the branch that uses it, next to its use).
+        ``arr``, the array p points into, is read by the simulator's twin only."""
+        sig = types.UniTuple(types.uint32, 4)(arr, types.uint64)
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [ir.IntType(64)])
+            asm = ir.InlineAsm(fnty, "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", side_effect=True)
+            res = builder.call(asm, [args[1]])
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(4)])
+        return sig, codegen
+
+    @intrinsic
+    def ld1b_at(typingctx, arr, p):
+        """The byte at the global address ``p`` (read-only during the kernel), zero-extended: ``ld.global.nc.u8``."""
+        sig = types.uint32(arr, types.uint64)
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            asm = ir.InlineAsm(ir.FunctionType(i32, [ir.IntType(64)]), "ld.global.nc.u8 $0, [$1];", "=r,l",
+                               side_effect=True)
+            return builder.call(asm, [args[1]])
         return sig, codegen
 
     @intrinsic

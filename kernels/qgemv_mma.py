@@ -46,8 +46,8 @@ from numba import cuda, float32, int32, int64, uint32
 
 from . import mma_helpers as mh
 from .dtypes import dev_bf16_to_f32, dev_f32_to_bf16
-from .launch import cp_async16, cp_async_commit, cp_async_waiter, ld4w, ld8_ro, prefetch_l2, st4w, u32_add, \
-    u32_as_f32, u32_mad, u32_pin, warp_any
+from .launch import cp_async16, cp_async_commit, cp_async_waiter, ld16_at, ld1b_at, ld4w, ld8_ro, lane_ptr, \
+    prefetch_l2, ptr_add, st4w, u32_add, u32_as_f32, u32_mad, u32_pin, warp_any
 from .workspace import NONE
 
 CAPTURE_SAFE = True      # no allocation, no synchronize, device arrays only
@@ -200,6 +200,15 @@ def _group_scales(is_int4, sa, sb, za, zb, gi):
 
 
 @cuda.jit(device=True, inline="always")
+def _b1_scales(is_int4, sa, sb, za, zb, scales, qsa, qsb, gi):
+    """``_group_scales`` of the batch-1 loop: MXFP4's exponents at the lane's 64-bit bases (``lane_ptr``)."""
+    if is_int4:
+        return _group_scales(True, sa, sb, za, zb, int64(gi))
+    return (float32(0.0), float32(0.0), float32(0.0), float32(0.0),
+            ld1b_at(scales, ptr_add(qsa, gi, 4)), ld1b_at(scales, ptr_add(qsb, gi, 4)))
+
+
+@cuda.jit(device=True, inline="always")
 def _acc_group(is_int4, probe, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, za, zb, ua, ub, ea, eb,
                xs, xo, xr0, xr1, xr2, xr3, scratch, acc0, acc1, acc2, acc3):
     """One group of the lane's chunk (words a*w of row g, b*w of row g + 8) multiplied into the accumulators;
@@ -309,14 +318,15 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
         ring = cuda.shared.array(RING, np.uint32)
         slot = (wid * u(S) * u(2)) * u(128) + lane * u(4)   # + (stage * 2 + row half) * 128
         acc0 = acc1 = acc2 = acc3 = float32(0.0)
-        # the lane's rows as views from group 0: a load's 64-bit offset is one wide mad of the group index
-        pwa, pwb, psa, psb = packed[int64(wa0):], packed[int64(wb0):], scales[int64(sa0):], scales[int64(sb0):]
+        # the lane's scale rows as views from group 0: a load's 64-bit offset is one wide mad of the group index
+        psa, psb = scales[int64(sa0):], scales[int64(sb0):]
         pza, pzb = zeros[int64(sa0):], zeros[int64(sb0):]
         if B1:
             # B = 1: warp w multiplies groups w, w + 4, ... of each tile, two per iteration through two
             # register sets (X, Y): Y loads while X is multiplied, the next X while Y is; no copies between
             # them, one loop step per two groups. Slots past the last group of K hold staged zeros of x, so
-            # the clamped reloads there add nothing (nor does the Y past the tile's groups).
+            # the clamped reloads there add nothing (nor does the Y past the tile's groups, which is therefore
+            # multiplied without a branch: behind one, ptxas moved Y's loads down to their use).
             # MXFP4 (MXD): B's column 2t holds x only at the k of lane t's MX block (lanes g != 2t read a
             # zero block), so D column 2t is block t's sum alone and lane t scales it by its own block scale:
             # no per-pair scaling. x is staged scaled by 2^c per tile (``_stage_x_mx``); the tile's sums
@@ -334,12 +344,16 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                     xbb = u32_mad(t, 16, 0)
                 xr0, xr1, xr2, xr3 = u(0), u(4), u(8), u(12)
             xst, xbb = u32_pin(xst), u32_pin(xbb)
+            # the lane's bytes of W (and MXFP4 its scales) through 64-bit bases in registers: one wide
+            # multiply-add per load
+            qa, qb = lane_ptr(packed, int64(wa0)), lane_ptr(packed, int64(wb0))
+            qsa, qsb = lane_ptr(scales, int64(sa0)), lane_ptr(scales, int64(sb0))
             n_tiles = (ng + u(TG - 1)) // u(TG)
             ti = u(u32_add(min(u(TG), ng), 3) >> u(2))         # the tile's groups per warp
             gx = min(wid, ng1)
-            x0w, x1w, x2w, x3w = _ld16_ro(pwa, int64(gx) * int64(64))
-            x4w, x5w, x6w, x7w = _ld16_ro(pwb, int64(gx) * int64(64))
-            xza, xzb, xua, xub, xea, xeb = _group_scales(is_int4, psa, psb, pza, pzb, int64(gx))
+            x0w, x1w, x2w, x3w = ld16_at(packed, ptr_add(qa, gx, 64))
+            x4w, x5w, x6w, x7w = ld16_at(packed, ptr_add(qb, gx, 64))
+            xza, xzb, xua, xub, xea, xeb = _b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gx)
             base = u(0)                                         # the tile's first group
             tile = u(0)
             while tile < n_tiles:
@@ -358,9 +372,9 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                 while p < ti:                  # slots 4p + w (X) and 4p + 4 + w (Y)
                     qy = u32_mad(u32_add(p, 1), W, wid)
                     gy = min(u32_add(base, qy), ng1)
-                    y0w, y1w, y2w, y3w = _ld16_ro(pwa, int64(gy) * int64(64))
-                    y4w, y5w, y6w, y7w = _ld16_ro(pwb, int64(gy) * int64(64))
-                    yza, yzb, yua, yub, yea, yeb = _group_scales(is_int4, psa, psb, pza, pzb, int64(gy))
+                    y0w, y1w, y2w, y3w = ld16_at(packed, ptr_add(qa, gy, 64))
+                    y4w, y5w, y6w, y7w = ld16_at(packed, ptr_add(qb, gy, 64))
+                    yza, yzb, yua, yub, yea, yeb = _b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gy)
                     xo = u32_mad(u32_mad(p, W, wid), xst, xbb)
                     if MXD and not PROBE:
                         ta0, ta2 = _acc_group_mxd(x0w, x1w, x2w, x3w, x4w, x5w, x6w, x7w, xea, xeb,
@@ -371,18 +385,18 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                             xs, xo, xr0, xr1, xr2, xr3, scratch, acc0, acc1, acc2, acc3)
                     p = u32_add(p, 2)
                     gx = min(u32_add(base, u32_mad(p, W, wid)) if p < ti else u32_add(nbase, wid), ng1)
-                    x0w, x1w, x2w, x3w = _ld16_ro(pwa, int64(gx) * int64(64))
-                    x4w, x5w, x6w, x7w = _ld16_ro(pwb, int64(gx) * int64(64))
-                    xza, xzb, xua, xub, xea, xeb = _group_scales(is_int4, psa, psb, pza, pzb, int64(gx))
-                    if u32_add(p, 0xFFFFFFFF) < ti:
-                        xo = u32_mad(qy, xst, xbb)
-                        if MXD and not PROBE:
-                            ta0, ta2 = _acc_group_mxd(y0w, y1w, y2w, y3w, y4w, y5w, y6w, y7w, yea, yeb,
-                                                      xs, xo, scratch, ta0, ta2)
-                        else:
-                            acc0, acc1, acc2, acc3 = _acc_group(
-                                is_int4, PROBE, y0w, y1w, y2w, y3w, y4w, y5w, y6w, y7w, yza, yzb, yua, yub, yea,
-                                yeb, xs, xo, xr0, xr1, xr2, xr3, scratch, acc0, acc1, acc2, acc3)
+                    x0w, x1w, x2w, x3w = ld16_at(packed, ptr_add(qa, gx, 64))
+                    x4w, x5w, x6w, x7w = ld16_at(packed, ptr_add(qb, gx, 64))
+                    xza, xzb, xua, xub, xea, xeb = _b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gx)
+                    # Y (past the tile's groups when ti is odd: staged zeros)
+                    xo = u32_mad(qy, xst, xbb)
+                    if MXD and not PROBE:
+                        ta0, ta2 = _acc_group_mxd(y0w, y1w, y2w, y3w, y4w, y5w, y6w, y7w, yea, yeb,
+                                                  xs, xo, scratch, ta0, ta2)
+                    else:
+                        acc0, acc1, acc2, acc3 = _acc_group(
+                            is_int4, PROBE, y0w, y1w, y2w, y3w, y4w, y5w, y6w, y7w, yza, yzb, yua, yub, yea,
+                            yeb, xs, xo, xr0, xr1, xr2, xr3, scratch, acc0, acc1, acc2, acc3)
                 base = nbase
                 ti = nti
                 tile = u32_add(tile, 1)
