@@ -140,12 +140,27 @@ def _stage_x(xs, x, tid, t0, ku, col0, n_batch, NC, NCH, CS):
 
 
 @cuda.jit(device=True, inline="always")
+def _tile_ef(mx, slot):
+    """The bf16 exponent field of the staged tile's largest |x| (``mx[slot]``, bf16 bits), clamped to
+    [126, 254] (inf, NaN: 255)."""
+    return min(max(uint32(mx[slot]) >> uint32(7), uint32(126)), uint32(254))
+
+
+@cuda.jit(device=True, inline="always")
+def _tile_fac(mx, slot):
+    """2^(126 - c) of the tile staged from ``mx[slot]`` (``_stage_x_mx``): the factor that takes its block-scaled
+    mma sums back to x's scale. Read again from shared memory where it is needed (valid until the tile after
+    next is staged): a register held across the loop was spilled."""
+    return u32_as_f32(_tile_ef(mx, slot) << uint32(23))
+
+
+@cuda.jit(device=True, inline="always")
 def _stage_x_mx(xs, x, tid, t0, ku, mx, slot, xw):
     """B = 1, MXFP4: stage the x tile starting at K index t0 as bf16 x · 2^c in the B-pair order of
     ``_stage_x``, c = 253 - (exponent field of the tile's largest |x|, at least 126) so that the largest
-    lands below 2^127 (exact: a power-of-two scale). Returns 2^(126 - c) as fp32, the factor that takes the
-    tile's block-scaled mma sums back to x's scale. ``mx[slot]``: the block-wide largest (reset by the
-    caller's previous tile); ``xw``: the thread's 16 words of x while it is found."""
+    lands below 2^127 (exact: a power-of-two scale; ``_tile_fac`` gives the factor back). ``mx[slot]``: the
+    block-wide largest (reset by the caller's previous tile); ``xw``: the thread's 16 words of x while it is
+    found."""
     u = uint32
     mlo = mhi = u(0)                       # the largest |x| of the low and the high halves (bf16 bits)
     for j in range(4):                     # chunk c = tid + 128 j: values t0 + 8c .. t0 + 8c + 7
@@ -158,8 +173,7 @@ def _stage_x_mx(xs, x, tid, t0, ku, mx, slot, xw):
         mhi = max(mhi, x0 & u(0x7FFF0000), x1 & u(0x7FFF0000), x2 & u(0x7FFF0000), x3 & u(0x7FFF0000))
     cuda.atomic.max(mx, slot, int32(max(mlo, mhi >> u(16))))
     cuda.syncthreads()
-    ef = max(u(mx[slot]) >> u(7), u(126))  # bf16 exponent field of the largest |x| (inf, NaN: 255)
-    ef = min(ef, u(254))
+    ef = _tile_ef(mx, slot)
     if tid == u(0):
         mx[u(1) - slot] = 0                # reset the other slot for the next tile
     sc = (u(380) - ef) << u(7)             # bf16 2^c (exponent field c + 127), c = 253 - ef in [-1, 127]
@@ -172,7 +186,7 @@ def _stage_x_mx(xs, x, tid, t0, ku, mx, slot, xw):
         w0, w1, w2, w3 = _b_pairs(x0, x1, x2, x3)
         st4w(xs, o, mh.fma_bf16x2(w0, sc, u(0)), mh.fma_bf16x2(w1, sc, u(0)), mh.fma_bf16x2(w2, sc, u(0)),
              mh.fma_bf16x2(w3, sc, u(0)))
-    return u32_as_f32(ef << u(23))
+
 
 
 @cuda.jit(device=True, inline="always")
@@ -330,8 +344,11 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
             # MXFP4 (MXD): B's column 2t holds x only at the k of lane t's MX block (lanes g != 2t read a
             # zero block), so D column 2t is block t's sum alone and lane t scales it by its own block scale:
             # no per-pair scaling. x is staged scaled by 2^c per tile (``_stage_x_mx``); the tile's sums
-            # (ta*) are taken back by tfac.
-            ta0 = ta2 = tfac = float32(0.0)
+            # (ta*) are taken back by ``_tile_fac``.
+            ta0 = ta2 = float32(0.0)
+            if MXD:          # the finished tiles' sums wait in the thread's own slots of ``red``: registers held
+                red[wid, lane, 0] = float32(0.0)   # across the whole loop were spilled (and reloaded from L2)
+                red[wid, lane, 2] = float32(0.0)
             xst = u(0 if MXD else 64)
             xbb = u(XSN) if MXD else xb
             if MXD:          # only lanes 0, 9, 18, 27 read x, one per quarter warp: no bank rotation needed
@@ -359,10 +376,11 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
             while tile < n_tiles:
                 cuda.syncthreads()             # (the previous tile is no longer read)
                 if MXD:
-                    acc0 += ta0 * tfac
-                    acc2 += ta2 * tfac
+                    if tile > u(0):
+                        red[wid, lane, 0] += ta0 * _tile_fac(mx, (tile + u(1)) % u(2))
+                        red[wid, lane, 2] += ta2 * _tile_fac(mx, (tile + u(1)) % u(2))
                     ta0 = ta2 = float32(0.0)
-                    tfac = _stage_x_mx(xs, x, tid, u32_mad(base, GROUP, 0), ku, mx, tile % u(2), xw)
+                    _stage_x_mx(xs, x, tid, u32_mad(base, GROUP, 0), ku, mx, tile % u(2), xw)
                 else:
                     _stage_x(xs, x, tid, u32_mad(base, GROUP, 0), ku, col0, n_batch, NC, NCH, CS)
                 cuda.syncthreads()
@@ -401,8 +419,9 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                 ti = nti
                 tile = u32_add(tile, 1)
             if MXD:                            # the last tile's sums; then the 4 blocks of a row: lanes t
-                acc0 = mh.quad_sum(acc0 + ta0 * tfac, qsum)
-                acc2 = mh.quad_sum(acc2 + ta2 * tfac, qsum)
+                tfac = _tile_fac(mx, (n_tiles + u(1)) % u(2))
+                acc0 = mh.quad_sum(red[wid, lane, 0] + ta0 * tfac, qsum)
+                acc2 = mh.quad_sum(red[wid, lane, 2] + ta2 * tfac, qsum)
         else:
             n_it = (ng + u(W - 1)) // u(W)         # the same trip count in every warp (the mma is warp-wide)
             # the first group's loads (with prefetch: then always one group ahead)

@@ -172,6 +172,7 @@ def test_qgemv_mxfp4_mma_route_matches_reference(n, k, b, bias, prefetch, stages
 @pytest.mark.parametrize("n,k,bias,x_scale", [
     (20, 640, True, 1.0),       # 5 groups over 4 warps, two row tiles, bias
     (9, 8320, False, 3e-3),     # 65 groups: x staged in three tiles (4096, 4096, 128), each with its own E
+    (9, 8320, False, 3.0),      # the same with |x| above 1, where the tiles' factors differ from the floor's
 ])
 def test_qgemv_mxfp4_batch1_block_scale_on_d_matches_reference(route, n, k, bias, x_scale):
     """MXFP4 at batch 1 with the block scale applied to the mma's D, x staged scaled by its tile's
