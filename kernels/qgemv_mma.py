@@ -149,8 +149,8 @@ def _tile_ef(mx, slot):
 @cuda.jit(device=True, inline="always")
 def _tile_fac(mx, slot):
     """2^(126 - c) of the tile staged from ``mx[slot]`` (``_stage_x_mx``): the factor that takes its block-scaled
-    mma sums back to x's scale. Read again from shared memory where it is needed (valid until the tile after
-    next is staged): a register held across the loop was spilled."""
+    mma sums back to x's scale. Read again from shared memory where it is needed (valid until the next tile's
+    staging has passed its first barrier): a register held across the loop was spilled."""
     return u32_as_f32(_tile_ef(mx, slot) << uint32(23))
 
 
@@ -186,7 +186,6 @@ def _stage_x_mx(xs, x, tid, t0, ku, mx, slot, xw):
         w0, w1, w2, w3 = _b_pairs(x0, x1, x2, x3)
         st4w(xs, o, mh.fma_bf16x2(w0, sc, u(0)), mh.fma_bf16x2(w1, sc, u(0)), mh.fma_bf16x2(w2, sc, u(0)),
              mh.fma_bf16x2(w3, sc, u(0)))
-
 
 
 @cuda.jit(device=True, inline="always")
@@ -347,7 +346,7 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
             # (ta*) are taken back by ``_tile_fac``.
             ta0 = ta2 = float32(0.0)
             if MXD:          # the finished tiles' sums wait in the thread's own slots of ``red``: registers held
-                red[wid, lane, 0] = float32(0.0)   # across the whole loop were spilled (and reloaded from L2)
+                red[wid, lane, 0] = float32(0.0)   # across the whole loop were spilled to local memory
                 red[wid, lane, 2] = float32(0.0)
             xst = u(0 if MXD else 64)
             xbb = u(XSN) if MXD else xb
