@@ -70,7 +70,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda
 
-from .dtypes import bf16_to_f32, dev_bf16_to_f32, dev_f32_to_bf16, f32_to_bf16
+from .dtypes import bf16_to_f32, dev_bf16_to_f32, dev_f32_to_bf16, dev_mx_nibbles, f32_to_bf16
 from .launch import SIM, as_stream, cdiv, check_threads, check_workspace, data_ptr, hi_f32, ld8_ro, lo_f32, \
     vec8_ok, warp_argmax, warp_sum
 from .quant import INT4_GROUP, MX_BLOCK, Int4Weights, MXFP4Weights, dequantize_int4, dequantize_mxfp4, \
@@ -672,6 +672,8 @@ def _make_q(kind: int, pair: bool, nb: int, rpw: int, threads: int, kt: int, out
                                 xv[b, j] = xs[b, 8 * q + j, c]
                         for m in range(nr):
                             w = wd[m, q]
+                            if kind != INT4:
+                                w = dev_mx_nibbles(w)
                             for j in range(8):
                                 nib = (w >> np.uint32(4 * j)) & np.uint32(0xF)
                                 if kind == INT4:

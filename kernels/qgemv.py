@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
-from .dtypes import as_f32, dev_bf16_to_f32, dev_f32_to_bf16, f32_to_bf16
+from .dtypes import as_f32, dev_bf16_to_f32, dev_f32_to_bf16, dev_mx_nibbles, f32_to_bf16
 from .launch import SIM, as_stream, cdiv, check_threads, check_workspace, data_ptr, hi_f32, ld8_ro, lo_f32, \
     vec8_ok, warp_sum
 from .quant import INT4_GROUP, MX_BLOCK, dequantize_int4, dequantize_mxfp4
@@ -154,6 +154,8 @@ def _make(kind: int, nb: int, rpw: int, threads: int, has_bias: bool, kt: int):
                                 xsum[b] += xv[b, j]
                     for r in range(rpw):
                         w = wd[r, q]
+                        if kind != INT4:
+                            w = dev_mx_nibbles(w)
                         for j in range(8):
                             if kind == INT4:   # bits of 1 + q/16: the nibble at mantissa bits 19..22
                                 v = as_f32((((w >> np.uint32(4 * j)) << np.uint32(19)) & np.uint32(0x00780000))

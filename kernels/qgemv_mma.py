@@ -15,7 +15,8 @@ the instructions per value low:
   The next group's chunks and scales are loaded before the current group is multiplied (``prefetch``),
   so every warp has a load in flight while it computes;
 - the mma's k order inside a 16-wide step is free as long as the A and B fragments agree: the step pairs
-  nibbles (j, j + 4) of a 32-bit word, which a shift and one mask place in the two bf16 halves. x's
+  values (j, j + 4) of a 32-bit word (nibbles j, j + 4 for int4; for MXFP4 the codes of the stored word
+  layout, ``kernels/quant.py``), which a shift and one mask place in the two bf16 halves. x's
   matching pairs (x[j], x[j + 4]) are built once per block: x is staged in shared memory already
   permuted (a tile of 4096 values for B = 1, 512 per column for B > 1), so the loop reads each step's
   B fragment with plain shared loads; a lane's four 16-byte slots are rotated by t so the quad's reads
@@ -24,8 +25,10 @@ the instructions per value low:
   with 1.0 and −(128 + zero) leaves q − zero exactly (integers below 256 are exact in bf16); each group's
   D is scaled by its row's group scale once;
 - MXFP4: the three magnitude bits of an E2M1 code go to bf16 bits 8..6 and the sign to bit 15, which is
-  the value times 2^-126 (the code 0.5 a subnormal). At B > 1 one packed fma by 2^(e - 1) gives
-  value · 2^(e - 127) exactly (2^(e - 1) is a bf16 for e <= 128; where a lane of the warp holds a larger
+  the value times 2^-126 (the code 0.5 a subnormal). The stored layout spreads a code's fields so that
+  three pairs of a word need one shift and one mask each and the fourth three of each (11 integer
+  instructions per 8 codes; nibbles need 15: sign and magnitude bits sit 3 apart, not 9). At B > 1 one
+  packed fma by 2^(e - 1) gives value · 2^(e - 127) exactly (2^(e - 1) is a bf16 for e <= 128; where a lane of the warp holds a larger
   scale, the warp takes a second fma per pair for that group, a warp vote). At B = 1 the codes enter the
   mma as they are and the block scale goes on D instead: B's column 2t holds x only at the k of lane t's
   chunk (the other lanes read a zero block), so D column 2t is MX block t's sum alone and lane t scales it
@@ -60,13 +63,18 @@ MIN_BLOCKS = 7           # launch bounds: 7 resident blocks per SM (<= 72 regist
 
 @cuda.jit(device=True, inline="always")
 def _e2m1_raw(w, s):
-    """E2M1 codes at nibbles s/4 and s/4 + 4 of ``w`` (s = 0, 4, 8, 12; a constant) -> a bf16 pair of
-    value · 2^-126: magnitude bits to 8..6, sign to 15, in each half."""
-    if s <= 6:
-        m = w << uint32(6 - s)
-    else:
-        m = w >> uint32(s - 6)
-    return (m & uint32(0x01C001C0)) | ((w << uint32(12 - s)) & uint32(0x80008000))
+    """E2M1 codes i and i + 4 (i = s/4; s = 0, 4, 8, 12, a constant) of an MXFP4 word in the stored layout
+    (``kernels/quant.py``) -> a bf16 pair of value · 2^-126: magnitude to bits 8..6, sign to 15, in each
+    half. Codes 0-2 sit so that one shift (none, 3, 6) and one mask place them; code 3 takes three of each."""
+    m = uint32(0x81C081C0)
+    if s == 0:
+        return w & m
+    if s == 4:
+        return (w << uint32(3)) & m
+    if s == 8:
+        return (w << uint32(6)) & m
+    return (((w >> uint32(4)) & uint32(0x00C000C0)) | ((w >> uint32(5)) & uint32(0x01000100))
+            | ((w << uint32(1)) & uint32(0x80008000)))
 
 
 @cuda.jit(device=True, inline="always")

@@ -21,7 +21,20 @@ MXFP4, OCP Microscaling v1.0 (``quantize_mxfp4``)
     magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6). Shared exponent = floor(log2(max|x|)) - 2 (emax of E2M1, the
     spec's suggested method), clamped to [-127, 127]; elements x / 2^shared rounded to nearest, ties to
     even (even mantissa), saturated to ±6. An all-zero block stores e = 127 (scale 1). Stored:
-    ``packed uint8 [N, K/2]``, ``scales uint8 [N, K/32]``.
+    ``packed uint8 [N, K/2]``, ``scales uint8 [N, K/32]``. The codes are not stored as nibbles: each
+    little-endian 32-bit word of a row holds the 8 codes of k = 8w + 4h + i (half h = bits 16h .. 16h + 15,
+    i = 0..3) with its fields spread over the half (``MX_FIELDS``: magnitude bits 0-2, sign)::
+
+        i = 0: magnitude at bits 6, 7, 8,    sign at 15
+        i = 1: magnitude at bits 3, 4, 5,    sign at 12
+        i = 2: magnitude at bits 0, 1, 2,    sign at 9
+        i = 3: magnitude at bits 10, 11, 13, sign at 14
+
+    so that codes i and i + 4 land as a bf16 pair of value · 2^-126 (magnitude at bf16 bits 6-8, sign at
+    15, in each half) through one shift (0, 3, 6) and one mask for i = 0..2, and three of each for i = 3:
+    11 integer instructions per 8 codes against 15 from nibbles (``kernels/qgemv_mma.py``). ``pack_e2m1`` /
+    ``unpack_e2m1`` convert from / to codes; kernels that read codes one by one first turn a word back into
+    nibbles (``kernels/dtypes.dev_mx_nibbles``).
 
 Both dequantizers return fp32 and are exact (every stored value is representable in fp32). NaN or inf in
 a weight raises ``ValueError`` naming the first bad element.
@@ -63,6 +76,41 @@ def _check(w, group: int, what: str) -> np.ndarray:
         raise ValueError(f"{what}: weight has {int(bad.sum())} NaN/inf values (first at [{r}, {c}] = {w[r, c]}); "
                          "quantization needs finite weights")
     return w
+
+
+# MXFP4 word layout: for in-half code i, the bit of its half that holds magnitude bit 0, 1, 2 and the sign
+MX_FIELDS = ((6, 7, 8, 15), (3, 4, 5, 12), (0, 1, 2, 9), (10, 11, 13, 14))
+
+
+def _mx_bitmap() -> list[tuple[int, int]]:
+    """(nibble-word bit, MXFP4-word bit) for the 16 bits of a half."""
+    return [(4 * i + b, f) for i, fields in enumerate(MX_FIELDS) for b, f in enumerate(fields)]
+
+
+def _mx_permute(words: np.ndarray, to_mx: bool) -> np.ndarray:
+    out = np.zeros_like(words)
+    for nb, mb in _mx_bitmap():
+        src, dst = (nb, mb) if to_mx else (mb, nb)
+        out |= ((words >> np.uint32(src)) & np.uint32(0x00010001)) << np.uint32(dst)
+    return out
+
+
+def _words(packed: np.ndarray) -> np.ndarray:
+    p = np.ascontiguousarray(packed, np.uint8)
+    if p.ndim != 2 or p.shape[1] % 4:
+        raise ValueError(f"MXFP4 packed codes must be [N, K/2] with K a multiple of 8, got {p.shape}")
+    return p.view("<u4")
+
+
+def pack_e2m1(q) -> np.ndarray:
+    """E2M1 codes uint8 [N, K] (0..15, bit 3 the sign; K a multiple of 8) -> MXFP4 packed [N, K/2] in the
+    stored word layout (module docstring)."""
+    return _mx_permute(_words(pack_nibbles(q)), True).view(np.uint8)
+
+
+def unpack_e2m1(packed) -> np.ndarray:
+    """MXFP4 packed [N, K/2] -> E2M1 codes uint8 [N, K]."""
+    return unpack_nibbles(_mx_permute(_words(packed), False).view(np.uint8))
 
 
 def pack_nibbles(q) -> np.ndarray:
@@ -159,7 +207,7 @@ def quantize_mxfp4(w) -> MXFP4Weights:
         a = np.ldexp(np.abs(wb), -shared[..., None])             # exact: a power-of-two scaling
         code = _e2m1_codes(a)
         code = code | np.where((wb < 0) & (code > 0), np.uint8(8), np.uint8(0))
-        packed[r0:r0 + _ROWS] = pack_nibbles(code.reshape(-1, k))
+        packed[r0:r0 + _ROWS] = pack_e2m1(code.reshape(-1, k))
         scales[r0:r0 + _ROWS] = (shared + 127).astype(np.uint8)
     return MXFP4Weights(packed, scales)
 
@@ -174,7 +222,7 @@ def e8m0_to_f32(e) -> np.ndarray:
 
 def dequantize_mxfp4(packed, scales) -> np.ndarray:
     """fp32 [N, K] = E2M1 value * 2^(e-127) per block of 32 (exact)."""
-    q = unpack_nibbles(packed)
+    q = unpack_e2m1(packed)
     n, k = q.shape
     s = np.asarray(scales, np.uint8)
     if s.shape != (n, k // MX_BLOCK):

@@ -207,3 +207,22 @@ def test_qgemv_mxfp4_batch1_block_scale_on_d_matches_reference(route, n, k, bias
         with pytest.raises(ValueError, match="mx16"):
             qgemv.qgemv_mxfp4(dev(qw.packed), dev(qw.scales), dev(np.concatenate([x, x])),
                               cuda.device_array((2, n), np.uint16), config=qgemv.QgemvConfig(route="mx16"))
+
+
+def test_dev_mx_nibbles_inverts_the_stored_layout():
+    """The device turn-back of a stored MXFP4 word into nibbles (used by every kernel that reads codes one by
+    one) agrees with the host packing for every code at every position."""
+    from vmmstream.kernels.dtypes import dev_mx_nibbles
+    from vmmstream.kernels.quant import pack_e2m1, pack_nibbles
+
+    @cuda.jit
+    def turn(words, out):
+        i = cuda.grid(1)
+        if i < words.size:
+            out[i] = dev_mx_nibbles(words[i])
+
+    codes = np.array([[(c + j) % 16 for j in range(8)] for c in range(16)], np.uint8)   # each code at each k
+    words = pack_e2m1(codes).view("<u4").ravel()
+    out = cuda.device_array(words.size, np.uint32)
+    turn[1, 32](dev(words), out)
+    np.testing.assert_array_equal(out.copy_to_host(), pack_nibbles(codes).view("<u4").ravel())

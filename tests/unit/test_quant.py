@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from vmmstream.kernels import quant
-from vmmstream.kernels.quant import (E2M1_VALUES, dequantize_int4, dequantize_mxfp4, pack_nibbles,
-                                     quantization_error, quantize_int4, quantize_mxfp4, unpack_nibbles)
+from vmmstream.kernels.quant import (E2M1_VALUES, dequantize_int4, dequantize_mxfp4, pack_e2m1, pack_nibbles,
+                                     quantization_error, quantize_int4, quantize_mxfp4, unpack_e2m1, unpack_nibbles)
 
 pytestmark = pytest.mark.unit
 
@@ -33,6 +33,30 @@ def test_int4_packing_order_matches_codes():
     assert qw.scales[0, 0] == 1 and qw.zeros[0, 0] == 0
     np.testing.assert_array_equal(unpack_nibbles(qw.packed)[0], np.arange(128) % 16)
     assert qw.packed[0, 0] == 0x10 and qw.packed[0, 7] == 0xFE
+
+
+def test_mxfp4_word_layout_fields():
+    # code i + 4h of a word: magnitude bits and sign at MX_FIELDS[i] of half h (bits 16h ..)
+    for j in range(8):
+        for code in (0b0001, 0b0010, 0b0100, 0b1000):
+            q = np.zeros((1, 8), np.uint8)
+            q[0, j] = code
+            word = int(pack_e2m1(q).view("<u4")[0, 0])
+            field = quant.MX_FIELDS[j % 4][code.bit_length() - 1]
+            assert word == 1 << (16 * (j // 4) + field), (j, code, hex(word))
+    # the fields of a half are a permutation of its 16 bits
+    assert sorted(f for fs in quant.MX_FIELDS for f in fs) == list(range(16))
+
+
+def test_mxfp4_pack_round_trip_and_bad_shape():
+    rng = np.random.default_rng(5)
+    q = rng.integers(0, 16, (5, 96)).astype(np.uint8)
+    p = pack_e2m1(q)
+    assert p.shape == (5, 48) and p.dtype == np.uint8
+    np.testing.assert_array_equal(unpack_e2m1(p), q)
+    assert not np.array_equal(p, pack_nibbles(q))          # not the nibble order
+    with pytest.raises(ValueError, match="multiple of 8"):
+        unpack_e2m1(np.zeros((2, 6), np.uint8))
 
 
 # ----------------------------------------------------------------------------------------------- int4
@@ -125,7 +149,7 @@ def test_mxfp4_representable_values_survive_and_codes():
     w = (E2M1_VALUES[codes].reshape(3, 2, 32) * quant.e8m0_to_f32(e)[..., None]).reshape(3, 64)
     qw = quantize_mxfp4(w)
     np.testing.assert_array_equal(qw.scales, e)
-    np.testing.assert_array_equal(unpack_nibbles(qw.packed), codes)
+    np.testing.assert_array_equal(unpack_e2m1(qw.packed), codes)
     np.testing.assert_array_equal(dequantize_mxfp4(*qw), w)
 
 
