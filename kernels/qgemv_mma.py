@@ -33,7 +33,8 @@ the instructions per value low:
   mma as they are and the block scale goes on D instead: B's column 2t holds x only at the k of lane t's
   chunk (the other lanes read a zero block), so D column 2t is MX block t's sum alone and lane t scales it
   by its own 2^(e - 127) in fp32, two fma per group instead of one per pair. x is staged as bf16 x · 2^c
-  with c from the tile's largest |x| (exact, a power of two) so the products stay in fp32's normal range;
+  (exact, a power of two) so the products stay in fp32's normal range: c = 116 while every |x| of the
+  tile is below 2^12, found in the staging's own barrier (``bar.red.or``), else from the tile's largest |x|;
   the tile's sum is taken back by 2^-c.
 
 Contract beyond the scalar route's: K a multiple of 128; int4 zero points integers in [0, 15]
@@ -149,8 +150,8 @@ def _stage_x(xs, x, tid, t0, ku, col0, n_batch, NC, NCH, CS):
 
 @cuda.jit(device=True, inline="always")
 def _tile_ef(mx, slot):
-    """The bf16 exponent field of the staged tile's largest |x| (``mx[slot]``, bf16 bits), clamped to
-    [126, 254] (inf, NaN: 255)."""
+    """The exponent field ef of the staged tile's scale 2^(253 - ef) (``mx[slot]``: bf16 bits, ``X_EF << 7`` or
+    the tile's largest |x|), clamped to [126, 254] (inf, NaN: 255)."""
     return min(max(uint32(mx[slot]) >> uint32(7), uint32(126)), uint32(254))
 
 
@@ -162,38 +163,65 @@ def _tile_fac(mx, slot):
     return u32_as_f32(_tile_ef(mx, slot) << uint32(23))
 
 
+# B = 1, MXFP4: x staged as bf16 x · 2^c. While every |x| of a tile is below 2^12 (the usual case), c is the
+# fixed 253 - X_EF = 116: x · 2^116 stays below 2^128, and products of it with the codes (value · 2^-126) are
+# value · x · 2^-10, in fp32's normal range down to |value · x| = 2^-116. A tile with a larger |x| (or inf,
+# NaN) is staged again with c from its largest |x|.
+X_EF = 137               # the fixed case's exponent field (``_tile_ef``): c = 116, tile factor 2^10
+X_BIG = 0x3A803A80       # added to |x| (two bf16 halves, 15 bits each): carries into bit 15 of a half iff
+                         # |x| >= 2^12 (bits 0x4580); the halves cannot carry into each other
+
+
 @cuda.jit(device=True, inline="always")
-def _stage_x_mx(xs, x, tid, t0, ku, mx, slot, xw):
-    """B = 1, MXFP4: stage the x tile starting at K index t0 as bf16 x · 2^c in the B-pair order of
-    ``_stage_x``, c = 253 - (exponent field of the tile's largest |x|, at least 126) so that the largest
-    lands below 2^127 (exact: a power-of-two scale; ``_tile_fac`` gives the factor back). ``mx[slot]``: the
-    block-wide largest (reset by the caller's previous tile); ``xw``: the thread's 16 words of x while it is
-    found."""
+def _stage_x_mx_words(xs, x, tid, t0, ku, ef):
+    """Store the thread's 4 chunks of the tile at K index t0 as bf16 x · 2^(253 - ef) in the B-pair order
+    of ``_stage_x``; returns the thread's X_BIG carries (bits 15 and 31 set where some |x| >= 2^12)."""
     u = uint32
-    mlo = mhi = u(0)                       # the largest |x| of the low and the high halves (bf16 bits)
+    sc = (u(380) - ef) << u(7)             # bf16 2^c (exponent field c + 127), c = 253 - ef in [-1, 127]
+    sc = sc | (sc << u(16))
+    big = u(0)
     for j in range(4):                     # chunk c = tid + 128 j: values t0 + 8c .. t0 + 8c + 7
-        kk = u32_add(t0, u(8) * (tid + u(128 * j)))
+        c = tid + u(128 * j)
+        kk = u32_add(t0, u(8) * c)
         x0 = x1 = x2 = x3 = u(0)
         if kk < ku:
             x0, x1, x2, x3 = ld8_ro(x, (0, kk))
-        xw[4 * j], xw[4 * j + 1], xw[4 * j + 2], xw[4 * j + 3] = x0, x1, x2, x3
-        mlo = max(mlo, x0 & u(0x7FFF), x1 & u(0x7FFF), x2 & u(0x7FFF), x3 & u(0x7FFF))
-        mhi = max(mhi, x0 & u(0x7FFF0000), x1 & u(0x7FFF0000), x2 & u(0x7FFF0000), x3 & u(0x7FFF0000))
-    cuda.atomic.max(mx, slot, int32(max(mlo, mhi >> u(16))))
-    cuda.syncthreads()
-    ef = _tile_ef(mx, slot)
-    if tid == u(0):
-        mx[u(1) - slot] = 0                # reset the other slot for the next tile
-    sc = (u(380) - ef) << u(7)             # bf16 2^c (exponent field c + 127), c = 253 - ef in [-1, 127]
-    sc = sc | (sc << u(16))
-    for j in range(4):
-        c = tid + u(128 * j)
-        x0, x1, x2, x3 = xw[4 * j], xw[4 * j + 1], xw[4 * j + 2], xw[4 * j + 3]
+        m = u(0x7FFF7FFF)
+        big = big | u32_add(x0 & m, u(X_BIG)) | u32_add(x1 & m, u(X_BIG)) | u32_add(x2 & m, u(X_BIG)) \
+            | u32_add(x3 & m, u(X_BIG))
         r = c % u(16)
         o = (c // u(16)) * u(64) + r * u(4)     # group, lane r // 4, word r % 4 (no rotation: see the kernel)
         w0, w1, w2, w3 = _b_pairs(x0, x1, x2, x3)
         st4w(xs, o, mh.fma_bf16x2(w0, sc, u(0)), mh.fma_bf16x2(w1, sc, u(0)), mh.fma_bf16x2(w2, sc, u(0)),
              mh.fma_bf16x2(w3, sc, u(0)))
+    return big & u(0x80008000)
+
+
+@cuda.jit(device=True, inline="always")
+def _stage_x_mx(xs, x, tid, t0, ku, mx, slot):
+    """B = 1, MXFP4: stage the x tile starting at K index t0 as bf16 x · 2^c in the B-pair order of
+    ``_stage_x`` (exact: a power-of-two scale; ``_tile_fac`` gives the factor back), and end at a barrier.
+    c = 116 (``X_EF``) when every |x| of the tile is below 2^12 (one pass; the barrier also tells whether
+    some thread saw a larger one); otherwise the tile is staged again with c = 253 - (exponent field of its
+    largest |x|) so that the largest lands below 2^127. ``mx[slot]``: the tile's exponent source, X_EF << 7
+    unless raised by the second pass (reset by the previous tile)."""
+    u = uint32
+    big = _stage_x_mx_words(xs, x, tid, t0, ku, u(X_EF))
+    again = cuda.syncthreads_or(int32(big != u(0)))
+    if tid == u(0):
+        mx[u(1) - slot] = int32(X_EF << 7)   # reset the other slot for the next tile
+    if again != 0:                         # the same branch in every thread of the block
+        mlo = mhi = u(0)                   # the largest |x| of the low and the high halves (bf16 bits)
+        for j in range(4):
+            kk = u32_add(t0, u(8) * (tid + u(128 * j)))
+            if kk < ku:
+                x0, x1, x2, x3 = ld8_ro(x, (0, kk))
+                mlo = max(mlo, x0 & u(0x7FFF), x1 & u(0x7FFF), x2 & u(0x7FFF), x3 & u(0x7FFF))
+                mhi = max(mhi, x0 & u(0x7FFF0000), x1 & u(0x7FFF0000), x2 & u(0x7FFF0000), x3 & u(0x7FFF0000))
+        cuda.atomic.max(mx, slot, int32(max(mlo, mhi >> u(16))))
+        cuda.syncthreads()
+        _stage_x_mx_words(xs, x, tid, t0, ku, _tile_ef(mx, slot))
+        cuda.syncthreads()
 
 
 @cuda.jit(device=True, inline="always")
@@ -335,7 +363,6 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
         red = cuda.shared.array((W, 32, 4), np.float32)
         qsum = cuda.shared.array(QS, np.float32)
         mx = cuda.shared.array(2, np.int32)    # MXD: the x tile's largest |x| (bf16 bits), two slots alternating
-        xw = cuda.local.array(16, np.uint32)   # MXD: a thread's 16 words of x while the largest is found
         ring = cuda.shared.array(RING, np.uint32)
         slot = (wid * u(S) * u(2)) * u(128) + lane * u(4)   # + (stage * 2 + row half) * 128
         acc0 = acc1 = acc2 = acc3 = float32(0.0)
@@ -362,7 +389,7 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                 if tid < u(16):
                     xs[u32_add(tid, XSN)] = u(0)
                 if tid == u(0):
-                    mx[0] = 0
+                    mx[0] = int32(X_EF << 7)
                 if g == u(2) * t:
                     xst = u(64)
                     xbb = u32_mad(t, 16, 0)
@@ -387,10 +414,10 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                         red[wid, lane, 0] += ta0 * _tile_fac(mx, (tile + u(1)) % u(2))
                         red[wid, lane, 2] += ta2 * _tile_fac(mx, (tile + u(1)) % u(2))
                     ta0 = ta2 = float32(0.0)
-                    _stage_x_mx(xs, x, tid, u32_mad(base, GROUP, 0), ku, mx, tile % u(2), xw)
+                    _stage_x_mx(xs, x, tid, u32_mad(base, GROUP, 0), ku, mx, tile % u(2))   # ends at a barrier
                 else:
                     _stage_x(xs, x, tid, u32_mad(base, GROUP, 0), ku, col0, n_batch, NC, NCH, CS)
-                cuda.syncthreads()
+                    cuda.syncthreads()
                 nbase = u32_add(base, TG)      # the next tile (for the last pair's X)
                 nti = u(u32_add(min(u(TG), u32_mad(nbase, 0xFFFFFFFF, ng)), 3) >> u(2)) if nbase < ng else u(0)
                 p = u(0)

@@ -2,6 +2,7 @@
 alone (probe), its compute side alone (all blocks read the same 16 rows of W, which stay in L1/L2), both off.
 
     python scripts/diag_qgemv.py OUT.json
+    DIAG_MODULES=qgemv_mma DIAG_KINDS=mxfp4 DIAG_MODES=full,compute python scripts/diag_qgemv.py OUT.json   # a subset
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from vmmstream.kernels.quant import quantize_int4, quantize_mxfp4  # noqa: E402
 
 H, I = 4096, 14336
 MODS = [m for m in os.environ.get("DIAG_MODULES", "qgemv_mma").split(",") if m]
+MODES = [m for m in os.environ.get("DIAG_MODES", "full,probe,compute,compute+probe").split(",") if m]
+KINDS = [m for m in os.environ.get("DIAG_KINDS", "int4,mxfp4").split(",") if m]
 
 
 def main(out):
@@ -34,7 +37,8 @@ def main(out):
     t = device_seconds(capture(lambda s: dst.copy_(src)))
     rows.append(dict(kind="copy", us=t * 1e6, gbps=2 * src.nbytes / t / 1e9))
     print(f"copy 32 MiB: {t * 1e6:.1f} us {2 * src.nbytes / t / 1e9:.0f} GB/s", flush=True)
-    for kind, qw in (("int4", quantize_int4(w)), ("mxfp4", quantize_mxfp4(w))):
+    for kind in KINDS:
+        qw = quantize_int4(w) if kind == "int4" else quantize_mxfp4(w)
         kid = qgemv.INT4 if kind == "int4" else qgemv.MXFP4
         parts = [nb(torch.from_numpy(np.ascontiguousarray(a)).cuda()) for a in qw]
         nbytes = sum(a.nbytes for a in qw) + 2 * H + 2 * I
@@ -48,7 +52,7 @@ def main(out):
                 if kind == "int4" and not kw.get("int4_ok", True):
                     continue
                 kw = {k: v for k, v in kw.items() if k != "int4_ok"}
-                for mode in ("full", "probe", "compute", "compute+probe"):
+                for mode in MODES:
                     probe = "probe" in mode
                     if probe and not getattr(mod, "HAS_PROBE", True):
                         continue

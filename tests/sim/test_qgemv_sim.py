@@ -169,19 +169,24 @@ def test_qgemv_mxfp4_mma_route_matches_reference(n, k, b, bias, prefetch, stages
 
 
 @pytest.mark.parametrize("route", ["mx16", "mma"])
-@pytest.mark.parametrize("n,k,bias,x_scale", [
-    (20, 640, True, 1.0),       # 5 groups over 4 warps, two row tiles, bias
-    (9, 8320, False, 3e-3),     # 65 groups: x staged in three tiles (4096, 4096, 128), each with its own E
-    (9, 8320, False, 3.0),      # the same with |x| above 1, where the tiles' factors differ from the floor's
+@pytest.mark.parametrize("n,k,bias,x_scale,outlier_tile,edge", [
+    (20, 640, True, 1.0, 0, None),      # 5 groups over 4 warps, two row tiles, bias
+    (9, 8320, False, 3e-3, 0, None),    # 65 groups: x staged in three tiles (4096, 4096, 128), each with its own E
+    (9, 8320, False, 3.0, 0, None),     # the same with |x| above 1, where the tiles' factors differ from the floor's
+    (9, 8320, False, 3.0, 1, None),     # the outlier in the middle tile only (mma: its own scale, the others the fixed one)
+    (20, 640, False, 1.0, 0, 4080.0),   # mma: the largest bf16 below 2^12 stays on the fixed scale (x · 2^116 finite)
+    (20, 640, False, 1.0, 0, 4096.0),   # mma: 2^12 takes the tile's own scale
 ])
-def test_qgemv_mxfp4_batch1_block_scale_on_d_matches_reference(route, n, k, bias, x_scale):
+def test_qgemv_mxfp4_batch1_block_scale_on_d_matches_reference(route, n, k, bias, x_scale, outlier_tile, edge):
     """MXFP4 at batch 1 with the block scale applied to the mma's D, x staged scaled by its tile's
     largest value: ``mx16`` (kernels/qgemv_mx16.py: E2M1 codes spread into E4M3 bytes, converted to exact
     f16 pairs, x as f16) and the default ``mma`` route (kernels/qgemv_mma.py: bf16 codes · 2^-126, x as
     bf16 · 2^c, B's column 2t holding x only at MX block t so that D column 2t is that block's sum).
     Rows with block scales 2^-127 (e = 0), tiny and large. With three tiles, the first holds only an
     outlier 10^10 times the later values (against zero weights): a later tile scaled by the first tile's
-    largest would lose its values' low bits (f16), or its products would fall below fp32's range (bf16)."""
+    largest would lose its values' low bits (f16), or its products would fall below fp32's range (bf16);
+    the mma route stages a tile whose |x| stay below 2^12 at a fixed 2^116 and any other at its own scale,
+    so the outlier in the middle tile and values at the threshold take both paths."""
     rng = np.random.default_rng(n * k + 5)
     w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
     w[1, :32] *= 1e-37                        # e = 0: scale 2^-127
@@ -190,9 +195,12 @@ def test_qgemv_mxfp4_batch1_block_scale_on_d_matches_reference(route, n, k, bias
     w[:, 7] = 0.0
     xf = rng.standard_normal((1, k)).astype(np.float32) * np.float32(x_scale)
     if k > 4096:
-        xf[0, :4096] = 0.0
-        xf[0, 7] = 1e10 * x_scale
+        t0 = 4096 * outlier_tile
+        xf[0, t0:t0 + 4096] = 0.0
+        xf[0, t0 + 7] = 1e10 * x_scale
         w[4:, 8192:] *= 30.0                  # the last tile's values dominate y
+    if edge is not None:
+        xf[0, 3] = edge                       # the mma route's fixed scale holds for |x| < 2^12 (X_EF)
     qw = quantize_mxfp4(w)
     assert (qw.scales == 0).any() and (qw.scales > 128).any()
     x = f32_to_bf16(xf)
