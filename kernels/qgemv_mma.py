@@ -362,7 +362,7 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
         xs = cuda.shared.array(XSA, np.uint32)
         red = cuda.shared.array((W, 32, 4), np.float32)
         qsum = cuda.shared.array(QS, np.float32)
-        mx = cuda.shared.array(2, np.int32)    # MXD: the x tile's largest |x| (bf16 bits), two slots alternating
+        mx = cuda.shared.array(2, np.int32)    # MXD: the x tile's scale source (bf16 bits, ``_tile_ef``), two slots alternating
         ring = cuda.shared.array(RING, np.uint32)
         slot = (wid * u(S) * u(2)) * u(128) + lane * u(4)   # + (stage * 2 + row half) * 128
         acc0 = acc1 = acc2 = acc3 = float32(0.0)
