@@ -28,8 +28,8 @@ the instructions per value low:
   the value times 2^-126 (the code 0.5 a subnormal). The stored layout spreads a code's fields so that
   three pairs of a word need one shift and one mask each and the fourth three of each (11 integer
   instructions per 8 codes; nibbles need 15: sign and magnitude bits sit 3 apart, not 9). At B > 1 one
-  packed fma by 2^(e - 1) gives value · 2^(e - 127) exactly (2^(e - 1) is a bf16 for e <= 128; where a lane of the warp holds a larger
-  scale, the warp takes a second fma per pair for that group, a warp vote). At B = 1 the codes enter the
+  packed fma by 2^(e - 1) gives value · 2^(e - 127) exactly (2^(e - 1) is a bf16 for e <= 128; where a
+  lane of the warp holds a larger scale, the warp takes a second fma per pair for that group, a warp vote). At B = 1 the codes enter the
   mma as they are and the block scale goes on D instead: B's column 2t holds x only at the k of lane t's
   chunk (the other lanes read a zero block), so D column 2t is MX block t's sum alone and lane t scales it
   by its own 2^(e - 127) in fp32, two fma per group instead of one per pair. x is staged as bf16 x · 2^c
@@ -362,7 +362,7 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
         xs = cuda.shared.array(XSA, np.uint32)
         red = cuda.shared.array((W, 32, 4), np.float32)
         qsum = cuda.shared.array(QS, np.float32)
-        mx = cuda.shared.array(2, np.int32)    # MXD: the x tile's scale source (bf16 bits, ``_tile_ef``), two slots alternating
+        mx = cuda.shared.array(2, np.int32)    # MXD: the x tile's scale source (``_tile_ef``), two slots alternating
         ring = cuda.shared.array(RING, np.uint32)
         slot = (wid * u(S) * u(2)) * u(128) + lane * u(4)   # + (stage * 2 + row half) * 128
         acc0 = acc1 = acc2 = acc3 = float32(0.0)
