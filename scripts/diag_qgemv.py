@@ -23,6 +23,8 @@ H, I = 4096, 14336
 MODS = [m for m in os.environ.get("DIAG_MODULES", "qgemv_mma").split(",") if m]
 MODES = [m for m in os.environ.get("DIAG_MODES", "full,probe,compute,compute+probe").split(",") if m]
 KINDS = [m for m in os.environ.get("DIAG_KINDS", "int4,mxfp4").split(",") if m]
+if set(KINDS) - {"int4", "mxfp4"}:
+    sys.exit(f"DIAG_KINDS takes int4 and mxfp4, got {','.join(KINDS)}")
 
 
 def main(out):
