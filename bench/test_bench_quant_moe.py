@@ -66,15 +66,26 @@ def test_bench_qgemv_int4_vs_tinygemm(benchmark, copy_ceiling, route, prefetch, 
 
 @MX_ROUTES
 def test_bench_qgemv_mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages):
+    _mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages, pdl=False)
+
+
+def test_bench_qgemv_mxfp4_bandwidth_pdl(benchmark, copy_ceiling):
+    """The mma route launched with programmatic dependent launch: each of the graph's 20 GEMVs loads its first
+    groups of W while the one before it finishes. A chained figure (the GEMVs follow one another, as gate and
+    up projections do), not the single-launch one above."""
+    _mxfp4_bandwidth(benchmark, copy_ceiling, "mma", True, 0, pdl=True)
+
+
+def _mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages, pdl):
     torch = _torch()
     from vmmstream.kernels import qgemv
     _, qw = _quantized("mxfp4")
     x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(1, I, device="cuda", dtype=torch.bfloat16)
     dparts = [nb(torch.from_numpy(np.ascontiguousarray(a)).cuda()) for a in qw]
-    cfg = qgemv.QgemvConfig(route=route, mma_prefetch=prefetch, mma_stages=stages)
+    cfg = qgemv.QgemvConfig(route=route, mma_prefetch=prefetch, mma_stages=stages, pdl=pdl)
     t = device_seconds(capture(lambda s: qgemv.qgemv_mxfp4(*dparts, nb(x), nb(out), stream=s, config=cfg)), benchmark)
-    benchmark.extra_info.update(route=route, mma_prefetch=prefetch, mma_stages=stages)
+    benchmark.extra_info.update(route=route, mma_prefetch=prefetch, mma_stages=stages, pdl=pdl)
     nbytes = sum(a.nbytes for a in qw) + 2 * H + 2 * I
     ceil = copy_ceiling["torch_gbps"]
     # context, not the bar: a device copy of this GEMV's byte count (read + write counted, as the ceiling)
@@ -83,7 +94,8 @@ def test_bench_qgemv_mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, s
     t_copy = device_seconds(capture(lambda s: dst.copy_(src)))
     info = record(benchmark, seconds=t, nbytes=nbytes, ceiling_gbps=ceil, ratio=nbytes / t / 1e9 / ceil,
                   bar=MX_BAR, op="ge", same_bytes_copy_GBps=nbytes / t_copy / 1e9, same_bytes_copy_us=t_copy * 1e6)
-    print(f"\nqgemv mxfp4 ({route}) {info['device_us']:.1f} us, {info['GB/s']:.0f} GB/s = {info['ratio']:.2f} of copy")
+    print(f"\nqgemv mxfp4 ({route}{', pdl' if pdl else ''}) {info['device_us']:.2f} us, {info['GB/s']:.0f} GB/s = "
+          f"{info['ratio']:.3f} of copy")
 
 
 def test_bench_moe_decode_layer_vs_torch_loop(benchmark):

@@ -22,6 +22,9 @@ Device side (identical call sites compiled and simulated):
 - ``lane_ptr`` / ``ptr_add`` / ``ld16_at`` / ``ld1b_at``: a thread's base address in a 1-D uint8 array held in one
   register, and read-only 16-byte and 1-byte loads at base + i * step (the simulator's "address" is the
   element offset).
+- ``grid_dependency_wait`` / ``grid_dependents_launch`` (``griddepcontrol``; no-ops unless the kernel was
+  launched by ``launch_pdl``, programmatic dependent launch): wait for the kernel before it on the stream to
+  finish; let the next kernel's blocks start.
 - ``warp_any``: a full-warp vote. ``warp_sum`` / ``warp_argmax`` / ``warp_incl_scan`` (and ``block_sum``):
   full-warp shuffle reductions
   and scans (int32/int64/float values only: that is what ``shfl.sync`` takes). The simulator has no
@@ -154,6 +157,16 @@ if SIM:
         def wait():
             pass
         return wait
+
+    def grid_dependency_wait():
+        """The simulator runs launches one after another: nothing to wait for."""
+
+    def grid_dependents_launch():
+        pass
+
+    def launch_pdl(kern, griddim, blockdim, stream, args):
+        """The simulator has no programmatic dependent launch: a plain launch."""
+        kern[griddim, blockdim, stream](*args)
 
     def st4w(arr, i, w0, w1, w2, w3):
         a = arr._ary if hasattr(arr, "_ary") else arr
@@ -320,6 +333,22 @@ else:
         return impl
 
     cp_async_commit = _asm_void("cp.async.commit_group;")
+    grid_dependency_wait = _asm_void("griddepcontrol.wait;")
+    grid_dependents_launch = _asm_void("griddepcontrol.launch_dependents;")
+
+    def launch_pdl(kern, griddim, blockdim, stream, args):
+        """Launch the Numba kernel ``kern`` with programmatic stream serialization (cuda.core ``LaunchConfig``):
+        its blocks may start while the kernel before it on ``stream`` is still running, once that one's
+        blocks have all called ``grid_dependents_launch`` (or exited). Whatever the kernel reads before its
+        ``grid_dependency_wait`` must not be written by that kernel. Capture-safe once ``kern`` has been
+        compiled for these argument types (a first call compiles)."""
+        from cuda.core import LaunchConfig, launch
+        k = kern.compile(tuple(kern.typeof_pyval(a) for a in args))
+        retr, kargs = [], []
+        for t, v in zip(k.argument_types, args):
+            k._prepare_args(t, v, stream, retr, kargs)
+        cfg = LaunchConfig(grid=griddim, block=blockdim, shmem_size=0, programmatic_stream_serialization=True)
+        launch(cuda.default_stream() if stream == 0 else stream, cfg, k._codelibrary.get_cufunc().kernel, *kargs)
     _WAITS = {}
 
     def cp_async_waiter(n):

@@ -39,6 +39,7 @@ the instructions per value low:
 
 Contract beyond the scalar route's: K a multiple of 128; int4 zero points integers in [0, 15]
 (``quantize_int4`` makes them so; a fractional zero would be rounded to bf16). Capture-safe; no workspace.
+With ``pdl`` (opt-in) it reads W before waiting for the kernel launched before it, x after.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ from numba import cuda, float32, int32, int64, uint32
 
 from . import mma_helpers as mh
 from .dtypes import dev_bf16_to_f32, dev_f32_to_bf16
-from .launch import cp_async16, cp_async_commit, cp_async_waiter, ld16_at, ld1b_at, ld4w, ld8_ro, lane_ptr, \
+from .launch import cp_async16, cp_async_commit, cp_async_waiter, grid_dependency_wait, grid_dependents_launch, \
+    launch_pdl, ld16_at, ld1b_at, ld4w, ld8_ro, lane_ptr, \
     prefetch_l2, ptr_add, st4w, u32_add, u32_as_f32, u32_mad, u32_pin, warp_any
 from .workspace import NONE
 
@@ -405,6 +407,10 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
             x0w, x1w, x2w, x3w = ld16_at(packed, ptr_add(qa, gx, 64))
             x4w, x5w, x6w, x7w = ld16_at(packed, ptr_add(qb, gx, 64))
             xza, xzb, xua, xub, xea, xeb = _b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gx)
+            # W and its scales are read before the wait, x after it (launch_pdl: this kernel may start while
+            # the one before it, which may be writing x, still runs)
+            grid_dependency_wait()
+            grid_dependents_launch()
             base = u(0)                                         # the tile's first group
             tile = u(0)
             while tile < n_tiles:
@@ -472,6 +478,8 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                 pb0, pb1, pb2, pb3 = _ld16_ro(packed, wb0 + gc * u(64))
             # the loaded group's constants (int4 zero points and scales, MXFP4 the lane's E8M0 exponents)
             qa, qb, sa, sb, na, nb = _group_scales(is_int4, psa, psb, pza, pzb, int64(gc))
+            grid_dependency_wait()                 # x after the wait, as above
+            grid_dependents_launch()
             it = u(0)
             while it < n_it:
                 if it % u(TI) == u(0):             # stage the next tile of x, permuted into B pairs
@@ -533,9 +541,12 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
     return qgemv_q4_mma
 
 
-def launch(kind, packed, scales, zeros, x, out, bias, stream, prefetch=True, l2_ahead=0, probe=False, stages=0):
+def launch(kind, packed, scales, zeros, x, out, bias, stream, prefetch=True, l2_ahead=0, probe=False, stages=0,
+           pdl=False):
     """Shapes checked by ``qgemv._launch``; x, out 2-D; ``zeros`` None for MXFP4; ``l2_ahead`` and ``probe``
-    as in ``make`` (the sweep's measurements)."""
+    as in ``make`` (the sweep's measurements). ``pdl``: programmatic dependent launch (``launch_pdl``): the
+    kernel loads its first groups of W while the kernel before it on the stream finishes, and reads x, bias
+    and ``out`` only after that kernel is done; the kernel before it must not write W, scales or zeros."""
     n, b, k = packed.shape[0], x.shape[0], 2 * packed.shape[1]
     if k % GROUP:
         raise ValueError(f"the mma route takes K in multiples of {GROUP}, got {k}")
@@ -545,7 +556,11 @@ def launch(kind, packed, scales, zeros, x, out, bias, stream, prefetch=True, l2_
         raise ValueError("the mma route takes C-contiguous packed weights, scales and zeros")
     kern = make(kind, bias is not None, 1 if b == 1 else COLS, bool(prefetch), int(l2_ahead), bool(probe), int(stages))
     flat = [a.reshape(a.shape[0] * a.shape[1]) for a in (packed, scales, scales if zeros is None else zeros)]
-    kern[(-(-n // ROWS), -(-b // COLS)), mh.THREADS, stream](*flat, x, x if bias is None else bias, out, n, b, k)
+    args = (*flat, x, x if bias is None else bias, out, n, b, k)
+    if pdl:
+        launch_pdl(kern, (-(-n // ROWS), -(-b // COLS)), mh.THREADS, stream, args)
+    else:
+        kern[(-(-n // ROWS), -(-b // COLS)), mh.THREADS, stream](*args)
 
 
 def workspace_requirement(n: int, k: int, batch: int = 1):

@@ -167,3 +167,45 @@ def test_qgemv_mx16_route(stream, rng, n, k, bias):
         qgemv.qgemv_mxfp4(*(to_dev(a, stream) for a in qw), to_dev(x, stream), out, bias=dbias, stream=stream,
                           config=cfg)
         assert_close(get(out, stream), dequantize_mxfp4(*qw), x, bb, qgemv.reference_mxfp4(*qw, x, bb))
+
+
+@pytest.mark.parametrize("kind,b", [("int4", 1), ("mxfp4", 1), ("mxfp4", 11)])
+def test_qgemv_mma_pdl_reads_x_after_the_kernel_before_it(stream, rng, kind, b):
+    """Programmatic dependent launch (``QgemvConfig(pdl=True)``): the GEMV may start while the kernel before
+    it runs. The producer here lets it start at once (``grid_dependents_launch`` first), sleeps a few ms
+    and only then writes x over zeros; the GEMV, loading W meanwhile, must multiply the new x. Batch 1 and 11
+    (the two loops). A second, plain launch on the same data gives the same bits."""
+    from numba import cuda
+    from vmmstream.kernels.launch import grid_dependents_launch
+
+    @cuda.jit
+    def produce(src, dst):
+        grid_dependents_launch()
+        for _ in range(2000):
+            cuda.nanosleep(1000)
+        i = cuda.threadIdx.x
+        while i < src.size:
+            dst[i // src.shape[1], i % src.shape[1]] = src[i // src.shape[1], i % src.shape[1]]
+            i += cuda.blockDim.x
+
+    n, k = I, H
+    x = f32_to_bf16(rng.standard_normal((b, k), dtype=np.float32))
+    src = to_dev(x, stream)
+    dx = to_dev(np.zeros_like(x), stream)
+    qw = _quantized(kind, n, k)
+    parts = [to_dev(a, stream) for a in qw]
+    outs = [cuda.device_array((b, n), np.uint16, stream=stream) for _ in range(2)]
+    for out, pdl in zip(outs[::-1], (False, True)):   # the plain launch first: it compiles both kernels
+        dx.copy_to_device(np.zeros_like(x), stream=stream)
+        produce[1, 256, stream](src, dx)
+        cfg = qgemv.QgemvConfig(route="mma", pdl=pdl)
+        if kind == "int4":
+            qgemv.qgemv_int4(*parts, dx, out, stream=stream, config=cfg)
+        else:
+            qgemv.qgemv_mxfp4(*parts, dx, out, stream=stream, config=cfg)
+    got = get(outs[0], stream)
+    if kind == "int4":
+        assert_close(got, dequantize_int4(*qw), x, None, qgemv.reference_int4(*qw, x, None))
+    else:
+        assert_close(got, dequantize_mxfp4(*qw), x, None, qgemv.reference_mxfp4(*qw, x, None))
+    assert np.array_equal(got, get(outs[1], stream))

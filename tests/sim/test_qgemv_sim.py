@@ -217,6 +217,19 @@ def test_qgemv_mxfp4_batch1_block_scale_on_d_matches_reference(route, n, k, bias
                               cuda.device_array((2, n), np.uint16), config=qgemv.QgemvConfig(route="mx16"))
 
 
+def test_qgemv_mma_pdl_option():
+    """``QgemvConfig(pdl=True)`` (programmatic dependent launch, a plain launch in the simulator) runs the mma
+    route's kernel, with its grid-dependency wait, to the same result; on any other route it is an error."""
+    qw, x, _, out = int4_case(641, 20, 640, 1, False, np.float16)
+    qgemv.qgemv_int4(dev(qw.packed), dev(qw.scales), dev(qw.zeros), dev(x), out,
+                     config=qgemv.QgemvConfig(route="mma", pdl=True))
+    assert np.all(np.abs(out.copy_to_host().astype(np.int32) - qgemv.reference_int4(*qw, x, None).astype(np.int32)) <= 1)
+    for route in ("simt", "mx16"):
+        with pytest.raises(ValueError, match="pdl"):
+            qgemv.qgemv_int4(dev(qw.packed), dev(qw.scales), dev(qw.zeros), dev(x), out,
+                             config=qgemv.QgemvConfig(route=route, pdl=True))
+
+
 def test_dev_mx_nibbles_inverts_the_stored_layout():
     """The device turn-back of a stored MXFP4 word into nibbles (used by every kernel that reads codes one by
     one) agrees with the host packing for every code at every position."""

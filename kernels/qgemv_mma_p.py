@@ -1,0 +1,585 @@
+"""Quantized decode GEMV on tensor cores: y[B, N] = x[B, K] · W[N, K]ᵀ (+ bias), W int4 group-wise or MXFP4
+(``kernels/quant.py``), one ``mma.sync.m16n8k16`` bf16 per 16 × 16 slice, fp32 accumulation.
+
+The scalar route (``kernels/qgemv.py``) spends several integer and float instructions per 4-bit value;
+here two values become one packed bf16 pair in a few bit operations and one packed fma, and the tensor
+core does the multiply-adds. At the decode shapes the loads alone run near the copy rate (the sweep's probe,
+docs/BENCHMARKS.md); what costs is the decode and mma work that the loads do not hide, so the layout keeps
+the instructions per value low:
+
+- a block is 4 warps over 16 rows of W and up to 8 columns of x (the batch); warp w takes the int4 groups
+  (128 values) w, w + 4, ... and the warps' partial sums meet in shared memory at the end. At B = 1 the
+  loop takes two groups per step through two register sets, so that neither set is copied into the other;
+- lane (g, t) = (lane / 4, lane % 4) loads one 16-byte chunk (32 values) of rows g and g + 8 per group:
+  values 32t .. 32t + 31 of the group (for MXFP4 that is exactly one block: one scale per lane and row).
+  The next group's chunks and scales are loaded before the current group is multiplied (``prefetch``),
+  so every warp has a load in flight while it computes;
+- the mma's k order inside a 16-wide step is free as long as the A and B fragments agree: the step pairs
+  values (j, j + 4) of a 32-bit word (nibbles j, j + 4 for int4; for MXFP4 the codes of the stored word
+  layout, ``kernels/quant.py``), which a shift and one mask place in the two bf16 halves. x's
+  matching pairs (x[j], x[j + 4]) are built once per block: x is staged in shared memory already
+  permuted (a tile of 4096 values for B = 1, 512 per column for B > 1), so the loop reads each step's
+  B fragment with plain shared loads; a lane's four 16-byte slots are rotated by t so the quad's reads
+  fall in distinct banks;
+- int4: a nibble in the low bits of bf16 128.0 (``| 0x43004300``) is 128 + q, and one ``fma.rn.bf16x2``
+  with 1.0 and −(128 + zero) leaves q − zero exactly (integers below 256 are exact in bf16); each group's
+  D is scaled by its row's group scale once;
+- MXFP4: the three magnitude bits of an E2M1 code go to bf16 bits 8..6 and the sign to bit 15, which is
+  the value times 2^-126 (the code 0.5 a subnormal). The stored layout spreads a code's fields so that
+  three pairs of a word need one shift and one mask each and the fourth three of each (11 integer
+  instructions per 8 codes; nibbles need 15: sign and magnitude bits sit 3 apart, not 9). At B > 1 one
+  packed fma by 2^(e - 1) gives value · 2^(e - 127) exactly (2^(e - 1) is a bf16 for e <= 128; where a
+  lane of the warp holds a larger scale, the warp takes a second fma per pair for that group, a warp vote). At B = 1 the codes enter the
+  mma as they are and the block scale goes on D instead: B's column 2t holds x only at the k of lane t's
+  chunk (the other lanes read a zero block), so D column 2t is MX block t's sum alone and lane t scales it
+  by its own 2^(e - 127) in fp32, two fma per group instead of one per pair. x is staged as bf16 x · 2^c
+  (exact, a power of two) so the products stay in fp32's normal range: c = 116 while every |x| of the
+  tile is below 2^12, found in the staging's own barrier (``bar.red.or``), else from the tile's largest |x|;
+  the tile's sum is taken back by 2^-c.
+
+Contract beyond the scalar route's: K a multiple of 128; int4 zero points integers in [0, 15]
+(``quantize_int4`` makes them so; a fractional zero would be rounded to bf16). Capture-safe; no workspace.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import cuda, float32, int32, int64, uint32
+
+from . import mma_helpers as mh
+from .dtypes import dev_bf16_to_f32, dev_f32_to_bf16
+from .launch import cp_async16, cp_async_commit, cp_async_waiter, ld16_at, ld1b_at, ld4w, ld8_ro, lane_ptr, \
+    prefetch_l2, ptr_add, st4w, u32_add, u32_as_f32, u32_mad, u32_pin, warp_any
+from .workspace import NONE
+from .launch import _asm_void
+_GDC_WAIT = _asm_void('griddepcontrol.wait;')
+_GDC_GO = _asm_void('griddepcontrol.launch_dependents;')
+
+CAPTURE_SAFE = True      # no allocation, no synchronize, device arrays only
+W = mh.WARPS             # warps per block (the simulator's mma scratch is sized for it)
+ROWS, COLS = 16, 8       # rows of W and columns of x per block
+GROUP = 128
+XS_WORDS = 2048          # staged x per block: 4096 bf16 (B = 1) or 8 columns of 512, as permuted pairs
+MIN_BLOCKS = 7           # launch bounds: 7 resident blocks per SM (<= 72 registers) fill a wave of 896 blocks
+
+
+@cuda.jit(device=True, inline="always")
+def _e2m1_raw(w, s):
+    """E2M1 codes i and i + 4 (i = s/4; s = 0, 4, 8, 12, a constant) of an MXFP4 word in the stored layout
+    (``kernels/quant.py``) -> a bf16 pair of value · 2^-126: magnitude to bits 8..6, sign to 15, in each
+    half. Codes 0-2 sit so that one shift (none, 3, 6) and one mask place them; code 3 takes three of each."""
+    m = uint32(0x81C081C0)
+    if s == 0:
+        return w & m
+    if s == 4:
+        return (w << uint32(3)) & m
+    if s == 8:
+        return (w << uint32(6)) & m
+    return (((w >> uint32(4)) & uint32(0x00C000C0)) | ((w >> uint32(5)) & uint32(0x01000100))
+            | ((w << uint32(1)) & uint32(0x80008000)))
+
+
+@cuda.jit(device=True, inline="always")
+def _mx_pair(w, s, c1, c2, two, raw):
+    a = _e2m1_raw(w, s)
+    if not raw:
+        a = mh.fma_bf16x2(a, c1, uint32(0))
+        if two:
+            a = mh.fma_bf16x2(a, c2, uint32(0))
+    return a
+
+
+@cuda.jit(device=True, inline="always")
+def _q4_pair(w, s, c):
+    return mh.fma_bf16x2(((w >> uint32(s)) & uint32(0x000F000F)) | uint32(0x43004300), uint32(0x3F803F80), c)
+
+
+@cuda.jit(device=True, inline="always")
+def _group(is_int4, two, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, ca, cb, c2a, c2b, xs, xo0, xo1, xo2, xo3, scratch,
+           raw=False):
+    """The 8 mma steps of one group: words a*w (row g) and b*w (row g + 8) of the lane's chunk, their
+    per-row constants, the staged B pairs of word om at xs[xo_om ...] (4 words: b0, b1 of step h = 0, 1).
+    ``raw`` (MXFP4): the E2M1 codes enter the mma as value · 2^-126, the block scale left to the caller."""
+    d0 = d1 = d2 = d3 = float32(0.0)
+    for om in range(4):                       # word om of the chunk: values 8 om .. 8 om + 7
+        wa = a0w if om == 0 else a1w if om == 1 else a2w if om == 2 else a3w
+        wb = b0w if om == 0 else b1w if om == 1 else b2w if om == 2 else b3w
+        xq0, xq1, xq2, xq3 = ld4w(xs, xo0 if om == 0 else xo1 if om == 1 else xo2 if om == 2 else xo3)
+        for h in range(2):                    # k-step: pairs (2h, 2h + 4) -> a0, b0; (2h + 1, 2h + 5) -> a2, b1
+            x0 = xq0 if h == 0 else xq2
+            x1 = xq1 if h == 0 else xq3
+            if is_int4:
+                p0 = _q4_pair(wa, 8 * h, ca)
+                p2 = _q4_pair(wa, 8 * h + 4, ca)
+                p1 = _q4_pair(wb, 8 * h, cb)
+                p3 = _q4_pair(wb, 8 * h + 4, cb)
+            else:
+                p0 = _mx_pair(wa, 8 * h, ca, c2a, two, raw)
+                p2 = _mx_pair(wa, 8 * h + 4, ca, c2a, two, raw)
+                p1 = _mx_pair(wb, 8 * h, cb, c2b, two, raw)
+                p3 = _mx_pair(wb, 8 * h + 4, cb, c2b, two, raw)
+            d0, d1, d2, d3 = mh.mma_bf16_16816(p0, p1, p2, p3, x0, x1, d0, d1, d2, d3, scratch)
+    return d0, d1, d2, d3
+
+
+@cuda.jit(device=True, inline="always")
+def _b_pairs(x0, x1, x2, x3):
+    """Eight bf16 values of x (four words) -> the B pairs (x[0], x[4]), (x[1], x[5]), (x[2], x[6]), (x[3], x[7])."""
+    lo16, hi16 = uint32(0xFFFF), uint32(0xFFFF0000)
+    return ((x0 & lo16) | (x2 << uint32(16)), (x0 >> uint32(16)) | (x2 & hi16),
+            (x1 & lo16) | (x3 << uint32(16)), (x1 >> uint32(16)) | (x3 & hi16))
+
+
+@cuda.jit(device=True, inline="always")
+def _stage_x(xs, x, tid, t0, ku, col0, n_batch, NC, NCH, CS):
+    """Stage the x tile starting at K index t0 into ``xs``, permuted into B pairs (every thread calls it)."""
+    u = uint32
+    e = tid
+    while e < u(NC * NCH):
+        col = e // u(NCH)
+        c = e % u(NCH)
+        kk = t0 + u(8) * c
+        w0 = w1 = w2 = w3 = u(0)
+        if kk < ku and col0 + col < u(n_batch):
+            x0, x1, x2, x3 = ld8_ro(x, (col0 + col, kk))
+            w0, w1, w2, w3 = _b_pairs(x0, x1, x2, x3)
+        r = c % u(16)              # chunk r of its group: lane t = r // 4, word om = r % 4
+        o = col * u(CS) + (c // u(16)) * u(64) + (r // u(4)) * u(16) + u(4) * ((r + r // u(4)) & u(3))
+        st4w(xs, o, w0, w1, w2, w3)
+        e += u(mh.THREADS)
+
+
+@cuda.jit(device=True, inline="always")
+def _tile_ef(mx, slot):
+    """The exponent field ef of the staged tile's scale 2^(253 - ef) (``mx[slot]``: bf16 bits, ``X_EF << 7`` or
+    the tile's largest |x|), clamped to [126, 254] (inf, NaN: 255)."""
+    return min(max(uint32(mx[slot]) >> uint32(7), uint32(126)), uint32(254))
+
+
+@cuda.jit(device=True, inline="always")
+def _tile_fac(mx, slot):
+    """2^(126 - c) of the tile staged from ``mx[slot]`` (``_stage_x_mx``): the factor that takes its block-scaled
+    mma sums back to x's scale. Read again from shared memory where it is needed (valid until the next tile's
+    staging has passed its first barrier): a register held across the loop was spilled."""
+    return u32_as_f32(_tile_ef(mx, slot) << uint32(23))
+
+
+# B = 1, MXFP4: x staged as bf16 x · 2^c. While every |x| of a tile is below 2^12 (the usual case), c is the
+# fixed 253 - X_EF = 116: x · 2^116 stays below 2^128, and products of it with the codes (value · 2^-126) are
+# value · x · 2^-10, in fp32's normal range down to |value · x| = 2^-116. A tile with a larger |x| (or inf,
+# NaN) is staged again with c from its largest |x|.
+X_EF = 137               # the fixed case's exponent field (``_tile_ef``): c = 116, tile factor 2^10
+X_BIG = 0x3A803A80       # added to |x| (two bf16 halves, 15 bits each): carries into bit 15 of a half iff
+                         # |x| >= 2^12 (bits 0x4580); the halves cannot carry into each other
+
+
+@cuda.jit(device=True, inline="always")
+def _stage_x_mx_words(xs, x, tid, t0, ku, ef):
+    """Store the thread's 4 chunks of the tile at K index t0 as bf16 x · 2^(253 - ef) in the B-pair order
+    of ``_stage_x``; returns the thread's X_BIG carries (bits 15 and 31 set where some |x| >= 2^12)."""
+    u = uint32
+    sc = (u(380) - ef) << u(7)             # bf16 2^c (exponent field c + 127), c = 253 - ef in [-1, 127]
+    sc = sc | (sc << u(16))
+    big = u(0)
+    for j in range(4):                     # chunk c = tid + 128 j: values t0 + 8c .. t0 + 8c + 7
+        c = tid + u(128 * j)
+        kk = u32_add(t0, u(8) * c)
+        x0 = x1 = x2 = x3 = u(0)
+        if kk < ku:
+            x0, x1, x2, x3 = ld8_ro(x, (0, kk))
+        m = u(0x7FFF7FFF)
+        big = big | u32_add(x0 & m, u(X_BIG)) | u32_add(x1 & m, u(X_BIG)) | u32_add(x2 & m, u(X_BIG)) \
+            | u32_add(x3 & m, u(X_BIG))
+        r = c % u(16)
+        o = (c // u(16)) * u(64) + r * u(4)     # group, lane r // 4, word r % 4 (no rotation: see the kernel)
+        w0, w1, w2, w3 = _b_pairs(x0, x1, x2, x3)
+        st4w(xs, o, mh.fma_bf16x2(w0, sc, u(0)), mh.fma_bf16x2(w1, sc, u(0)), mh.fma_bf16x2(w2, sc, u(0)),
+             mh.fma_bf16x2(w3, sc, u(0)))
+    return big & u(0x80008000)
+
+
+@cuda.jit(device=True, inline="always")
+def _stage_x_mx(xs, x, tid, t0, ku, mx, slot):
+    """B = 1, MXFP4: stage the x tile starting at K index t0 as bf16 x · 2^c in the B-pair order of
+    ``_stage_x`` (exact: a power-of-two scale; ``_tile_fac`` gives the factor back), and end at a barrier.
+    c = 116 (``X_EF``) when every |x| of the tile is below 2^12 (one pass; the barrier also tells whether
+    some thread saw a larger one); otherwise the tile is staged again with c = 253 - (exponent field of its
+    largest |x|) so that the largest lands below 2^127. ``mx[slot]``: the tile's exponent source, X_EF << 7
+    unless raised by the second pass (reset by the previous tile)."""
+    u = uint32
+    big = _stage_x_mx_words(xs, x, tid, t0, ku, u(X_EF))
+    again = cuda.syncthreads_or(int32(big != u(0)))
+    if tid == u(0):
+        mx[u(1) - slot] = int32(X_EF << 7)   # reset the other slot for the next tile
+    if again != 0:                         # the same branch in every thread of the block
+        mlo = mhi = u(0)                   # the largest |x| of the low and the high halves (bf16 bits)
+        for j in range(4):
+            kk = u32_add(t0, u(8) * (tid + u(128 * j)))
+            if kk < ku:
+                x0, x1, x2, x3 = ld8_ro(x, (0, kk))
+                mlo = max(mlo, x0 & u(0x7FFF), x1 & u(0x7FFF), x2 & u(0x7FFF), x3 & u(0x7FFF))
+                mhi = max(mhi, x0 & u(0x7FFF0000), x1 & u(0x7FFF0000), x2 & u(0x7FFF0000), x3 & u(0x7FFF0000))
+        cuda.atomic.max(mx, slot, int32(max(mlo, mhi >> u(16))))
+        cuda.syncthreads()
+        _stage_x_mx_words(xs, x, tid, t0, ku, _tile_ef(mx, slot))
+        cuda.syncthreads()
+
+
+@cuda.jit(device=True, inline="always")
+def _acc_group_mxd(a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, ea, eb, xs, xo, scratch, acc0, acc2):
+    """B = 1, MXFP4: one group through the mma with the codes as value · 2^-126 and x staged so that D
+    column 2t holds MX block t alone (the lane's own block); the lane scales its D by 2^(e - 127) (fp32,
+    e = 0 a subnormal). Returns the row g and row g + 8 accumulators."""
+    u = uint32
+    xi = int64(xo)                         # 64-bit: the four loads share one address (immediate offsets)
+    d0, d1, d2, d3 = _group(False, False, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, u(0), u(0), u(0), u(0),
+                            xs, xi, xi + int64(4), xi + int64(8), xi + int64(12), scratch, True)
+    acc0 += d0 * u32_as_f32(max(ea << u(23), u(0x400000)))
+    acc2 += d2 * u32_as_f32(max(eb << u(23), u(0x400000)))
+    return acc0, acc2
+
+
+@cuda.jit(device=True, inline="always")
+def _group_scales(is_int4, sa, sb, za, zb, gi):
+    """Group ``gi``'s constants from views of rows g (``sa``, ``za``) and g + 8 (``sb``, ``zb``) that start at
+    the lane's group 0: int4 zero points and scales; MXFP4 the lane's E8M0 exponents (the other four zeros)."""
+    if is_int4:
+        return (float32(za[gi]), float32(zb[gi]), float32(sa[gi]), float32(sb[gi]), uint32(0), uint32(0))
+    return (float32(0.0), float32(0.0), float32(0.0), float32(0.0),
+            uint32(sa[gi * int64(4)]), uint32(sb[gi * int64(4)]))
+
+
+@cuda.jit(device=True, inline="always")
+def _b1_scales(is_int4, sa, sb, za, zb, scales, qsa, qsb, gi):
+    """``_group_scales`` of the batch-1 loop: MXFP4's exponents at the lane's 64-bit bases (``lane_ptr``)."""
+    if is_int4:
+        return _group_scales(True, sa, sb, za, zb, int64(gi))
+    return (float32(0.0), float32(0.0), float32(0.0), float32(0.0),
+            ld1b_at(scales, ptr_add(qsa, gi, 4)), ld1b_at(scales, ptr_add(qsb, gi, 4)))
+
+
+@cuda.jit(device=True, inline="always")
+def _acc_group(is_int4, probe, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, za, zb, ua, ub, ea, eb,
+               xs, xo, xr0, xr1, xr2, xr3, scratch, acc0, acc1, acc2, acc3):
+    """One group of the lane's chunk (words a*w of row g, b*w of row g + 8) multiplied into the accumulators;
+    its staged x at ``xs[xo ...]``. ``probe``: no decode and no mma, the loads kept live."""
+    u = uint32
+    if probe:
+        xq0, xq1, xq2, xq3 = ld4w(xs, xo + xr0)
+        v = a0w ^ a1w ^ a2w ^ a3w ^ b0w ^ b1w ^ b2w ^ b3w ^ xq0 ^ xq3 ^ u(za + zb + ua + ub) ^ ea ^ eb
+        acc0 += float32(v & u(1))
+    elif is_int4:                          # c: -(128 + zero) per row, the D scale after the group
+        ca = mh.pack_bf16x2(-(za + float32(128.0)), -(za + float32(128.0)))
+        cb = mh.pack_bf16x2(-(zb + float32(128.0)), -(zb + float32(128.0)))
+        d0, d1, d2, d3 = _group(True, False, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, ca, cb, ca, cb,
+                                xs, u32_add(xo, xr0), u32_add(xo, xr1), u32_add(xo, xr2), u32_add(xo, xr3), scratch)
+        acc0 += d0 * ua
+        acc1 += d1 * ua
+        acc2 += d2 * ub
+        acc3 += d3 * ub
+    else:                                  # ea, eb: the lane's E8M0 exponents e (0..254)
+        if warp_any(ea > u(128) or eb > u(128)):
+            # 2^126 then 2^(e - 127) (e = 0: 2^-127, a bf16 subnormal)
+            sa2 = u(0x40) if ea == u(0) else ea << u(7)
+            sb2 = u(0x40) if eb == u(0) else eb << u(7)
+            d0, d1, d2, d3 = _group(False, True, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w,
+                                    u(0x7E807E80), u(0x7E807E80), sa2 | (sa2 << u(16)), sb2 | (sb2 << u(16)),
+                                    xs, u32_add(xo, xr0), u32_add(xo, xr1), u32_add(xo, xr2), u32_add(xo, xr3), scratch)
+        else:                              # one fma by 2^(e - 1): bf16 exponent field e + 126
+            sa1 = (ea + u(126)) << u(7)
+            sb1 = (eb + u(126)) << u(7)
+            d0, d1, d2, d3 = _group(False, False, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w,
+                                    sa1 | (sa1 << u(16)), sb1 | (sb1 << u(16)), u(0), u(0),
+                                    xs, u32_add(xo, xr0), u32_add(xo, xr1), u32_add(xo, xr2), u32_add(xo, xr3), scratch)
+        acc0 += d0
+        acc1 += d1
+        acc2 += d2
+        acc3 += d3
+    return acc0, acc1, acc2, acc3
+
+
+@functools.lru_cache(maxsize=None)
+def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ahead: int = 0, probe: bool = False,
+         stages: int = 0):
+    """``ncols``: columns of x staged per block, 1 (B = 1) or 8; ``prefetch``: load the next group's
+    chunks before multiplying the current one (False: at the top of each iteration, for comparison);
+    ``l2_ahead``: also ``prefetch.global.L2`` the chunks of the group that many iterations ahead (0: none);
+    ``probe`` (measurement only, wrong results): the same loads, staging and loop with no decode and no mma,
+    the memory side of the kernel alone; ``stages`` > 1: W's chunks go through a per-warp ring of that many
+    groups in shared memory by ``cp.async`` (``stages - 1`` groups in flight while one is multiplied, no
+    registers held for them); 0: loaded into registers (one group ahead with ``prefetch``)."""
+    from .qgemv import INT4, _ld16_ro
+    MS0, MS1 = mh.SIM_MMA_SCRATCH          # simulator-only scratch (1 x 1 on the GPU)
+    QS = mh.SIM_RED_SCRATCH
+    is_int4 = kind == INT4
+    NC = ncols
+    CW = XS_WORDS // NC                    # staged words per column: a tile of 2 CW values of K
+    CS = CW + (4 if NC > 1 else 0)         # column stride (padded: columns start in different banks)
+    TG = 2 * CW // GROUP                   # groups per staged tile: 32 or 4
+    TI = TG // W                           # iterations per tile: 8 or 1
+    NCH = CW // 4                          # 8-value chunks per column and tile
+    XSN = NC * CS
+    PF = prefetch
+    L2A = l2_ahead
+    PROBE = probe
+    S = stages
+    CPA = S > 1
+    RING = W * S * 2 * 128 if CPA else 4   # words: per warp and stage, rows g and g + 8, 16 bytes a lane
+    B1 = NC == 1 and PF and not CPA and L2A == 0   # the two-set loop below (the others: the general one)
+    MXD = B1 and not is_int4               # MXFP4 at B = 1: block scales applied to D (``_acc_group_mxd``)
+    XSA = XSN + (16 if MXD else 0)         # + a zero block read by the lanes whose B column is not theirs
+    WAIT = cp_async_waiter(S - 1 if CPA else 0)
+    u = uint32
+
+    @mh.kernel((mh.THREADS, MIN_BLOCKS))
+    def qgemv_q4_mma(packed, scales, zeros, x, bias, y, n_rows, n_batch, k):
+        # packed [N * K/2] u8 (rows of W, flattened); int4: scales, zeros [N * K/128] f16|f32; mxfp4: scales
+        # [N * K/32] u8 (E8M0), zeros ignored; x [B, K] bf16; bias [N] bf16; y [B, N] bf16.
+        # grid (ceil(N / 16), ceil(B / 8)); block 128. Index arithmetic is uint32 (no wraparound code).
+        tid = u(cuda.threadIdx.x)
+        lane, wid = tid % u(32), tid // u(32)
+        g, t = lane // u(4), lane % u(4)
+        row0 = u32_mad(cuda.blockIdx.x, ROWS, 0)
+        col0 = u32_mad(cuda.blockIdx.y, COLS, 0)
+        nr1 = u32_add(n_rows, 0xFFFFFFFF)
+        ra = min(u32_add(row0, g), nr1)
+        rb = min(u32_add(row0, g + u(8)), nr1)
+        ku = u(k)
+        ng = u32_pin(ku // u(GROUP))
+        ng1 = u32_add(ng, 0xFFFFFFFF)
+        wa0 = u32_pin(u32_mad(ra, ku // u(2), u(16) * t))   # the lane's bytes of group 0, rows g and g + 8
+        wb0 = u32_pin(u32_mad(rb, ku // u(2), u(16) * t))
+        if is_int4:          # group scales and zeros: one per row and group
+            sa0, sb0 = u32_pin(u32_mad(ra, ng, 0)), u32_pin(u32_mad(rb, ng, 0))
+        else:                # the lane's MX block of group 0
+            sa0, sb0 = u32_pin(u32_mad(ra, ku // u(32), t)), u32_pin(u32_mad(rb, ku // u(32), t))
+        # B = 1: lanes g > 0 repeat column 0 into D columns that are never stored
+        xb = min(g, u(NC - 1)) * u(CS) + t * u(16)
+        xr0 = u(4) * ((t + u(0)) & u(3))      # a lane's 4 slots of a group, rotated by t (distinct banks)
+        xr1 = u(4) * ((t + u(1)) & u(3))
+        xr2 = u(4) * ((t + u(2)) & u(3))
+        xr3 = u(4) * ((t + u(3)) & u(3))
+        scratch = cuda.shared.array((MS0, MS1), np.float64)
+        xs = cuda.shared.array(XSA, np.uint32)
+        red = cuda.shared.array((W, 32, 4), np.float32)
+        qsum = cuda.shared.array(QS, np.float32)
+        mx = cuda.shared.array(2, np.int32)    # MXD: the x tile's scale source (``_tile_ef``), two slots alternating
+        ring = cuda.shared.array(RING, np.uint32)
+        slot = (wid * u(S) * u(2)) * u(128) + lane * u(4)   # + (stage * 2 + row half) * 128
+        acc0 = acc1 = acc2 = acc3 = float32(0.0)
+        # the lane's scale rows as views from group 0: a load's 64-bit offset is one wide mad of the group index
+        psa, psb = scales[int64(sa0):], scales[int64(sb0):]
+        pza, pzb = zeros[int64(sa0):], zeros[int64(sb0):]
+        if B1:
+            # B = 1: warp w multiplies groups w, w + 4, ... of each tile, two per iteration through two
+            # register sets (X, Y): Y loads while X is multiplied, the next X while Y is; no copies between
+            # them, one loop step per two groups. Slots past the last group of K hold staged zeros of x, so
+            # the clamped reloads there add nothing (nor does the Y past the tile's groups, which is therefore
+            # multiplied without a branch: behind one, ptxas moved Y's loads down to their use).
+            # MXFP4 (MXD): B's column 2t holds x only at the k of lane t's MX block (lanes g != 2t read a
+            # zero block), so D column 2t is block t's sum alone and lane t scales it by its own block scale:
+            # no per-pair scaling. x is staged scaled by 2^c per tile (``_stage_x_mx``); the tile's sums
+            # (ta*) are taken back by ``_tile_fac``.
+            ta0 = ta2 = float32(0.0)
+            if MXD:          # the finished tiles' sums wait in the thread's own slots of ``red``: registers held
+                red[wid, lane, 0] = float32(0.0)   # across the whole loop were spilled to local memory
+                red[wid, lane, 2] = float32(0.0)
+            xst = u(0 if MXD else 64)
+            xbb = u(XSN) if MXD else xb
+            if MXD:          # only lanes 0, 9, 18, 27 read x, one per quarter warp: no bank rotation needed
+                if tid < u(16):
+                    xs[u32_add(tid, XSN)] = u(0)
+                if tid == u(0):
+                    mx[0] = int32(X_EF << 7)
+                if g == u(2) * t:
+                    xst = u(64)
+                    xbb = u32_mad(t, 16, 0)
+                xr0, xr1, xr2, xr3 = u(0), u(4), u(8), u(12)
+            xst, xbb = u32_pin(xst), u32_pin(xbb)
+            # the lane's bytes of W (and MXFP4 its scales) through 64-bit bases in registers: one wide
+            # multiply-add per load
+            qa, qb = lane_ptr(packed, int64(wa0)), lane_ptr(packed, int64(wb0))
+            qsa, qsb = lane_ptr(scales, int64(sa0)), lane_ptr(scales, int64(sb0))
+            n_tiles = (ng + u(TG - 1)) // u(TG)
+            ti = u(u32_add(min(u(TG), ng), 3) >> u(2))         # the tile's groups per warp
+            gx = min(wid, ng1)
+            x0w, x1w, x2w, x3w = ld16_at(packed, ptr_add(qa, gx, 64))
+            x4w, x5w, x6w, x7w = ld16_at(packed, ptr_add(qb, gx, 64))
+            xza, xzb, xua, xub, xea, xeb = _b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gx)
+            _GDC_WAIT()
+            _GDC_GO()
+            base = u(0)                                         # the tile's first group
+            tile = u(0)
+            while tile < n_tiles:
+                cuda.syncthreads()             # (the previous tile is no longer read)
+                if MXD:
+                    if tile > u(0):
+                        red[wid, lane, 0] += ta0 * _tile_fac(mx, (tile + u(1)) % u(2))
+                        red[wid, lane, 2] += ta2 * _tile_fac(mx, (tile + u(1)) % u(2))
+                    ta0 = ta2 = float32(0.0)
+                    _stage_x_mx(xs, x, tid, u32_mad(base, GROUP, 0), ku, mx, tile % u(2))   # ends at a barrier
+                else:
+                    _stage_x(xs, x, tid, u32_mad(base, GROUP, 0), ku, col0, n_batch, NC, NCH, CS)
+                    cuda.syncthreads()
+                nbase = u32_add(base, TG)      # the next tile (for the last pair's X)
+                nti = u(u32_add(min(u(TG), u32_mad(nbase, 0xFFFFFFFF, ng)), 3) >> u(2)) if nbase < ng else u(0)
+                p = u(0)
+                while p < ti:                  # slots 4p + w (X) and 4p + 4 + w (Y)
+                    qy = u32_mad(u32_add(p, 1), W, wid)
+                    gy = min(u32_add(base, qy), ng1)
+                    y0w, y1w, y2w, y3w = ld16_at(packed, ptr_add(qa, gy, 64))
+                    y4w, y5w, y6w, y7w = ld16_at(packed, ptr_add(qb, gy, 64))
+                    yza, yzb, yua, yub, yea, yeb = _b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gy)
+                    xo = u32_mad(u32_mad(p, W, wid), xst, xbb)
+                    if MXD and not PROBE:
+                        ta0, ta2 = _acc_group_mxd(x0w, x1w, x2w, x3w, x4w, x5w, x6w, x7w, xea, xeb,
+                                                  xs, xo, scratch, ta0, ta2)
+                    else:
+                        acc0, acc1, acc2, acc3 = _acc_group(
+                            is_int4, PROBE, x0w, x1w, x2w, x3w, x4w, x5w, x6w, x7w, xza, xzb, xua, xub, xea, xeb,
+                            xs, xo, xr0, xr1, xr2, xr3, scratch, acc0, acc1, acc2, acc3)
+                    p = u32_add(p, 2)
+                    gx = min(u32_add(base, u32_mad(p, W, wid)) if p < ti else u32_add(nbase, wid), ng1)
+                    x0w, x1w, x2w, x3w = ld16_at(packed, ptr_add(qa, gx, 64))
+                    x4w, x5w, x6w, x7w = ld16_at(packed, ptr_add(qb, gx, 64))
+                    xza, xzb, xua, xub, xea, xeb = _b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gx)
+                    # Y (past the tile's groups when ti is odd: staged zeros)
+                    xo = u32_mad(qy, xst, xbb)
+                    if MXD and not PROBE:
+                        ta0, ta2 = _acc_group_mxd(y0w, y1w, y2w, y3w, y4w, y5w, y6w, y7w, yea, yeb,
+                                                  xs, xo, scratch, ta0, ta2)
+                    else:
+                        acc0, acc1, acc2, acc3 = _acc_group(
+                            is_int4, PROBE, y0w, y1w, y2w, y3w, y4w, y5w, y6w, y7w, yza, yzb, yua, yub, yea,
+                            yeb, xs, xo, xr0, xr1, xr2, xr3, scratch, acc0, acc1, acc2, acc3)
+                base = nbase
+                ti = nti
+                tile = u32_add(tile, 1)
+            if MXD:                            # the last tile's sums; then the 4 blocks of a row: lanes t
+                tfac = _tile_fac(mx, (n_tiles + u(1)) % u(2))
+                acc0 = mh.quad_sum(red[wid, lane, 0] + ta0 * tfac, qsum)
+                acc2 = mh.quad_sum(red[wid, lane, 2] + ta2 * tfac, qsum)
+        else:
+            n_it = (ng + u(W - 1)) // u(W)         # the same trip count in every warp (the mma is warp-wide)
+            # the first group's loads (with prefetch: then always one group ahead)
+            gc = min(wid, ng1)
+            if CPA:                                # stages 0 .. S - 2 in flight before the loop
+                pa0 = pa1 = pa2 = pa3 = pb0 = pb1 = pb2 = pb3 = u(0)
+                for q in range(S - 1):
+                    gq = min(u(q * W) + wid, ng1)
+                    cp_async16(ring, slot + u(2 * q * 128), packed, wa0 + gq * u(64))
+                    cp_async16(ring, slot + u((2 * q + 1) * 128), packed, wb0 + gq * u(64))
+                    cp_async_commit()
+            else:
+                pa0, pa1, pa2, pa3 = _ld16_ro(packed, wa0 + gc * u(64))
+                pb0, pb1, pb2, pb3 = _ld16_ro(packed, wb0 + gc * u(64))
+            # the loaded group's constants (int4 zero points and scales, MXFP4 the lane's E8M0 exponents)
+            qa, qb, sa, sb, na, nb = _group_scales(is_int4, psa, psb, pza, pzb, int64(gc))
+            it = u(0)
+            while it < n_it:
+                if it % u(TI) == u(0):             # stage the next tile of x, permuted into B pairs
+                    cuda.syncthreads()             # (the previous tile is no longer read)
+                    _stage_x(xs, x, tid, it * u(W * GROUP), ku, col0, n_batch, NC, NCH, CS)
+                    cuda.syncthreads()
+                gi = u32_mad(it, W, wid)
+                if CPA:                            # issue stage it + S - 1, wait for stage it, read it
+                    gq = min(gi + u((S - 1) * W), ng1)
+                    sq = ((it + u(S - 1)) % u(S)) * u(256)
+                    cp_async16(ring, slot + sq, packed, wa0 + gq * u(64))
+                    cp_async16(ring, slot + sq + u(128), packed, wb0 + gq * u(64))
+                    cp_async_commit()
+                    WAIT()
+                    sc = (it % u(S)) * u(256)
+                    a0w, a1w, a2w, a3w = ld4w(ring, slot + sc)
+                    b0w, b1w, b2w, b3w = ld4w(ring, slot + sc + u(128))
+                    za, zb, ua, ub, ea, eb = qa, qb, sa, sb, na, nb
+                    gn = min(gi + u(W), ng1)       # scales: one group ahead in registers (mostly L1 hits)
+                    qa, qb, sa, sb, na, nb = _group_scales(is_int4, psa, psb, pza, pzb, int64(gn))
+                elif PF:
+                    a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w = pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3
+                    za, zb, ua, ub, ea, eb = qa, qb, sa, sb, na, nb
+                    gn = min(u32_add(gi, W), ng1)  # the last iteration reloads a group that is still cached
+                    pa0, pa1, pa2, pa3 = _ld16_ro(packed, u32_mad(gn, 64, wa0))
+                    pb0, pb1, pb2, pb3 = _ld16_ro(packed, u32_mad(gn, 64, wb0))
+                    qa, qb, sa, sb, na, nb = _group_scales(is_int4, psa, psb, pza, pzb, int64(gn))
+                else:
+                    gc = min(gi, ng1)
+                    a0w, a1w, a2w, a3w = _ld16_ro(packed, u32_mad(gc, 64, wa0))
+                    b0w, b1w, b2w, b3w = _ld16_ro(packed, u32_mad(gc, 64, wb0))
+                    za, zb, ua, ub, ea, eb = _group_scales(is_int4, psa, psb, pza, pzb, int64(gc))
+                if L2A > 0:
+                    gl = min(gi + u(L2A * W), ng1)
+                    prefetch_l2(packed, wa0 + gl * u(64))
+                    prefetch_l2(packed, wb0 + gl * u(64))
+                # groups past K (the clamped reloads) meet staged zeros of x: they add nothing
+                xo = u32_mad(u32_mad(it % u(TI), W, wid), 64, xb)
+                acc0, acc1, acc2, acc3 = _acc_group(is_int4, PROBE, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, za, zb, ua, ub,
+                                                    ea, eb, xs, xo, xr0, xr1, xr2, xr3, scratch, acc0, acc1, acc2, acc3)
+                it = u32_add(it, 1)
+        red[wid, lane, 0] = acc0
+        red[wid, lane, 1] = acc1
+        red[wid, lane, 2] = acc2
+        red[wid, lane, 3] = acc3
+        cuda.syncthreads()
+        if wid == u(0):
+            for i in range(4):                   # D: (row g | g + 8) x (col 2t | 2t + 1)
+                v = red[0, lane, i]
+                for w in range(1, W):
+                    v += red[w, lane, i]
+                row = row0 + g + u(8 * (i // 2))
+                col = col0 + u(2) * t + u(i % 2)
+                if row < u(n_rows) and col < u(n_batch):
+                    if has_bias:
+                        v += dev_bf16_to_f32(bias[row])
+                    y[col, row] = dev_f32_to_bf16(v)
+
+    return qgemv_q4_mma
+
+
+def launch(kind, packed, scales, zeros, x, out, bias, stream, prefetch=True, l2_ahead=0, probe=False, stages=0):
+    """Shapes checked by ``qgemv._launch``; x, out 2-D; ``zeros`` None for MXFP4; ``l2_ahead`` and ``probe``
+    as in ``make`` (the sweep's measurements)."""
+    n, b, k = packed.shape[0], x.shape[0], 2 * packed.shape[1]
+    if k % GROUP:
+        raise ValueError(f"the mma route takes K in multiples of {GROUP}, got {k}")
+    if stages not in (0, 1, 2, 3, 4, 5):
+        raise ValueError(f"the mma route's cp.async ring takes 2 to 5 stages (0: none), got {stages}")
+    if not (packed.is_c_contiguous() and scales.is_c_contiguous() and (zeros is None or zeros.is_c_contiguous())):
+        raise ValueError("the mma route takes C-contiguous packed weights, scales and zeros")
+    kern = make(kind, bias is not None, 1 if b == 1 else COLS, bool(prefetch), int(l2_ahead), bool(probe), int(stages))
+    flat = [a.reshape(a.shape[0] * a.shape[1]) for a in (packed, scales, scales if zeros is None else zeros)]
+    kern[(-(-n // ROWS), -(-b // COLS)), mh.THREADS, stream](*flat, x, x if bias is None else bias, out, n, b, k)
+
+
+def workspace_requirement(n: int, k: int, batch: int = 1):
+    """No scratch: x is staged and the warps' partial sums meet in shared memory."""
+    return NONE
+
+
+def bytes_moved(n: int, k: int, batch: int = 1, *, scale_itemsize: int = 2, bias: bool = False) -> int:
+    """HBM bytes: packed W, scales and zeros once per column tile of 8, x, bf16 out, bias."""
+    w = n * k // 2 + 2 * n * (k // GROUP) * scale_itemsize
+    return w * -(-batch // COLS) + 2 * batch * k + 2 * batch * n + (2 * n if bias else 0)
+
+
+def flops(n: int, k: int, batch: int = 1) -> int:
+    """Useful multiply-adds (the tensor core also multiplies the padding columns)."""
+    return 2 * n * k * batch
+
+
+def _sig(scale_t: str, has_bias: bool) -> str:
+    bias_t = "uint16[::1]" if has_bias else "uint16[:, ::1]"
+    s = f"{scale_t}[::1]"
+    return f"void(uint8[::1], {s}, {s}, uint16[:, ::1], {bias_t}, uint16[:, ::1], int64, int64, int64)"
+
+
+def _signatures():
+    from .qgemv import INT4, MXFP4
+    return ([(make(INT4, hb, nc).py_func, _sig(st, hb))
+             for st, hb, nc in (("float16", False, 1), ("float16", True, 1), ("float32", False, 1), ("float16", False, COLS))]
+            + [(make(MXFP4, hb, nc).py_func, _sig("uint8", hb)) for hb, nc in ((False, 1), (True, 1), (False, COLS))])
+
+
+SIGNATURES = _signatures()
