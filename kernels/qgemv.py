@@ -58,7 +58,8 @@ class QgemvConfig:
     mma_l2_ahead: int = 0    # mma route: prefetch.global.L2 the group this many iterations ahead (0: none)
     mma_stages: int = 0      # mma route: > 1: W through a per-warp cp.async ring of this many groups (3, 4 or 5)
     pdl: bool = False        # mma route: programmatic dependent launch (loads W while the previous kernel on the
-                             # stream finishes); only where that kernel does not write these weights
+                             # stream finishes); only where that kernel does not write these weights. With
+                             # route "auto" it applies where the mma route is taken (a simt launch is plain)
 
 
 if SIM:
@@ -229,7 +230,7 @@ def _launch(name, kind, packed, scales, zeros, x, out, bias, workspace, stream, 
         raise ValueError(f"{name}: route must be 'auto', 'simt', 'mma' or 'mx16', got {cfg.route!r}")
     contiguous = packed.is_c_contiguous() and scales.is_c_contiguous() and (zeros is None or zeros.is_c_contiguous())
     route = cfg.route if cfg.route != "auto" else "mma" if k % INT4_GROUP == 0 and contiguous else "simt"
-    if cfg.pdl and route != "mma":
+    if cfg.pdl and cfg.route in ("simt", "mx16"):
         raise ValueError(f"{name}: pdl (programmatic dependent launch) is a mma-route option, the route is {route!r}")
     if route == "mx16":
         from . import qgemv_mx16

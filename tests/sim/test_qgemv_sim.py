@@ -219,7 +219,8 @@ def test_qgemv_mxfp4_batch1_block_scale_on_d_matches_reference(route, n, k, bias
 
 def test_qgemv_mma_pdl_option():
     """``QgemvConfig(pdl=True)`` (programmatic dependent launch, a plain launch in the simulator) runs the mma
-    route's kernel, with its grid-dependency wait, to the same result; on any other route it is an error."""
+    route's kernel, with its grid-dependency wait, to the same result; on an explicit other route it is an
+    error, and where "auto" takes the scalar route it does not apply."""
     qw, x, _, out = int4_case(641, 20, 640, 1, False, np.float16)
     qgemv.qgemv_int4(dev(qw.packed), dev(qw.scales), dev(qw.zeros), dev(x), out,
                      config=qgemv.QgemvConfig(route="mma", pdl=True))
@@ -228,6 +229,13 @@ def test_qgemv_mma_pdl_option():
         with pytest.raises(ValueError, match="pdl"):
             qgemv.qgemv_int4(dev(qw.packed), dev(qw.scales), dev(qw.zeros), dev(x), out,
                              config=qgemv.QgemvConfig(route=route, pdl=True))
+    # "auto" with K not a multiple of 128 (MXFP4, K = 96) takes the scalar route: pdl does not apply there
+    rng = np.random.default_rng(643)
+    qm = quantize_mxfp4((rng.standard_normal((20, 96)) * 0.05).astype(np.float32))
+    x = make_x(rng, 1, 96)
+    out = cuda.device_array((1, 20), np.uint16)
+    qgemv.qgemv_mxfp4(dev(qm.packed), dev(qm.scales), dev(x), out, config=qgemv.QgemvConfig(pdl=True))
+    assert np.all(np.abs(out.copy_to_host().astype(np.int32) - qgemv.reference_mxfp4(*qm, x, None).astype(np.int32)) <= 1)
 
 
 def test_dev_mx_nibbles_inverts_the_stored_layout():

@@ -410,11 +410,16 @@ class CudaOps:
             self.k["gemv"].gemv(w, x, out, bias=bias, stream=self._s(s))
 
     def _qgemv(self, s, w, x, out, bias):
+        # Programmatic dependent launch: the GEMV loads W while the kernel before it finishes, and reads x only
+        # after it. Safe here because no kernel writes a dense weight: streamed layers are copied on the copy
+        # stream, and this stream waits for them (an event) before the layer's first kernel. The only kernel
+        # that writes weights, the MoE expert gather, is followed by the expert kernels, never by this GEMV.
         from vmmstream.kernels import qgemv
+        cfg = qgemv.QgemvConfig(pdl=True)
         if w.kind == "int4":
-            qgemv.qgemv_int4(w.packed, w.scales, w.zeros, x, out, bias=bias, stream=self._s(s))
+            qgemv.qgemv_int4(w.packed, w.scales, w.zeros, x, out, bias=bias, stream=self._s(s), config=cfg)
         else:
-            qgemv.qgemv_mxfp4(w.packed, w.scales, x, out, bias=bias, stream=self._s(s))
+            qgemv.qgemv_mxfp4(w.packed, w.scales, x, out, bias=bias, stream=self._s(s), config=cfg)
 
     def gemm(self, s, x, w, out, bias=None):
         self.launches += 1
