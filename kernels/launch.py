@@ -349,6 +349,9 @@ else:
             k._prepare_args(t, v, stream, retr, kargs)
         cfg = LaunchConfig(grid=griddim, block=blockdim, shmem_size=0, programmatic_stream_serialization=True)
         launch(cuda.default_stream() if stream == 0 else stream, cfg, k._codelibrary.get_cufunc().kernel, *kargs)
+        for writeback in retr:             # host arrays numba copied in (as its own launch does)
+            writeback()
+
     _WAITS = {}
 
     def cp_async_waiter(n):
