@@ -23,16 +23,16 @@ pytestmark = pytest.mark.gpu
 
 H, I, E, K = 4096, 14336, 8, 2
 INT4_BAR, MX_BAR, MOE_BAR = 1.0, 0.70, 0.70
-# (route, groups per warp loaded at once): the scalar route and the tensor-core route at each depth
-ROUTES = pytest.mark.parametrize("route,prefetch,stages", [("simt", True, 0), ("mma", True, 0), ("mma", False, 0),
-                                                          ("mma", True, 3), ("mma", True, 4), ("mma", True, 5)],
-                                 ids=["simt", "mma", "mma-noprefetch", "mma-cpasync3", "mma-cpasync4", "mma-cpasync5"])
+# (route, prefetch, cp.async stages, row tiles per block): the scalar route and the tensor-core route at each
+# depth; "mma" one 16-row tile per block (the default), "mma-rtauto" blocks of ``auto_row_tiles`` tiles (7 at
+# N 14336 on a 132-SM H200) sharing one staging of x
+_R = [("simt", True, 0, 1), ("mma", True, 0, 1), ("mma", True, 0, 0), ("mma", False, 0, 1), ("mma", True, 3, 1),
+      ("mma", True, 4, 1), ("mma", True, 5, 1)]
+_IDS = ["simt", "mma", "mma-rtauto", "mma-noprefetch", "mma-cpasync3", "mma-cpasync4", "mma-cpasync5"]
+ROUTES = pytest.mark.parametrize("route,prefetch,stages,row_tiles", _R, ids=_IDS)
 # MXFP4 at batch 1 also has the opt-in f16 tensor-core route (kernels/qgemv_mx16.py)
-MX_ROUTES = pytest.mark.parametrize("route,prefetch,stages", [("simt", True, 0), ("mma", True, 0), ("mma", False, 0),
-                                                             ("mma", True, 3), ("mma", True, 4), ("mma", True, 5),
-                                                             ("mx16", True, 0)],
-                                    ids=["simt", "mma", "mma-noprefetch", "mma-cpasync3", "mma-cpasync4",
-                                         "mma-cpasync5", "mx16"])
+MX_ROUTES = pytest.mark.parametrize("route,prefetch,stages,row_tiles", _R + [("mx16", True, 0, 1)],
+                                    ids=_IDS + ["mx16"])
 
 
 def _quantized(kind, seed=0):
@@ -43,7 +43,7 @@ def _quantized(kind, seed=0):
 
 
 @ROUTES
-def test_bench_qgemv_int4_vs_tinygemm(benchmark, copy_ceiling, route, prefetch, stages):
+def test_bench_qgemv_int4_vs_tinygemm(benchmark, copy_ceiling, route, prefetch, stages, row_tiles):
     torch = _torch()
     from vmmstream.kernels import qgemv
     _, qw = _quantized("int4")
@@ -51,7 +51,7 @@ def test_bench_qgemv_int4_vs_tinygemm(benchmark, copy_ceiling, route, prefetch, 
     out = torch.empty(1, I, device="cuda", dtype=torch.bfloat16)
     parts = [torch.from_numpy(np.ascontiguousarray(a)).cuda() for a in qw]
     dparts = [nb(p) for p in parts]
-    cfg = qgemv.QgemvConfig(route=route, mma_prefetch=prefetch, mma_stages=stages)
+    cfg = qgemv.QgemvConfig(route=route, mma_prefetch=prefetch, mma_stages=stages, mma_row_tiles=row_tiles)
     t = device_seconds(capture(lambda s: qgemv.qgemv_int4(*dparts, nb(x), nb(out), stream=s, config=cfg)), benchmark)
     # tinygemm: the same nibbles repacked its way, bf16 scale-and-zero [K/128, N, 2]
     wp = torch._convert_weight_to_int4pack(parts[0], 8)
@@ -60,42 +60,51 @@ def test_bench_qgemv_int4_vs_tinygemm(benchmark, copy_ceiling, route, prefetch, 
     nbytes = sum(a.nbytes for a in qw) + 2 * H + 2 * I
     info = record(benchmark, seconds=t, nbytes=nbytes, ceiling_gbps=copy_ceiling["torch_gbps"], ratio=t / t_tg,
                   bar=INT4_BAR, op="le", tinygemm_us=t_tg * 1e6)
-    benchmark.extra_info.update(route=route, mma_prefetch=prefetch, mma_stages=stages)
-    print(f"\nqgemv int4 ({route}) {info['device_us']:.1f} us vs tinygemm {t_tg * 1e6:.1f} us: ratio {t / t_tg:.3f}")
+    benchmark.extra_info.update(route=route, mma_prefetch=prefetch, mma_stages=stages, mma_row_tiles=row_tiles)
+    print(f"\nqgemv int4 ({route}, row tiles {row_tiles or 'auto'}) {info['device_us']:.1f} us vs tinygemm "
+          f"{t_tg * 1e6:.1f} us: ratio {t / t_tg:.3f}")
 
 
 @MX_ROUTES
-def test_bench_qgemv_mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages):
-    _mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages, pdl=False)
+def test_bench_qgemv_mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages, row_tiles):
+    _mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages, row_tiles, pdl=False)
 
 
 def test_bench_qgemv_mxfp4_bandwidth_pdl(benchmark, copy_ceiling):
     """The mma route launched with programmatic dependent launch: each of the graph's 20 GEMVs loads its first
     groups of W while the one before it finishes. A chained figure (the GEMVs follow one another, as gate and
     up projections do), not the single-launch one above."""
-    _mxfp4_bandwidth(benchmark, copy_ceiling, "mma", True, 0, pdl=True)
+    _mxfp4_bandwidth(benchmark, copy_ceiling, "mma", True, 0, 1, pdl=True)
 
 
-def _mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages, pdl):
+def _mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages, row_tiles, pdl):
     torch = _torch()
     from vmmstream.kernels import qgemv
     _, qw = _quantized("mxfp4")
     x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(1, I, device="cuda", dtype=torch.bfloat16)
     dparts = [nb(torch.from_numpy(np.ascontiguousarray(a)).cuda()) for a in qw]
-    cfg = qgemv.QgemvConfig(route=route, mma_prefetch=prefetch, mma_stages=stages, pdl=pdl)
+    cfg = qgemv.QgemvConfig(route=route, mma_prefetch=prefetch, mma_stages=stages, mma_row_tiles=row_tiles,
+                            pdl=pdl)
     t = device_seconds(capture(lambda s: qgemv.qgemv_mxfp4(*dparts, nb(x), nb(out), stream=s, config=cfg)), benchmark)
-    benchmark.extra_info.update(route=route, mma_prefetch=prefetch, mma_stages=stages, pdl=pdl)
+    benchmark.extra_info.update(route=route, mma_prefetch=prefetch, mma_stages=stages, mma_row_tiles=row_tiles,
+                                pdl=pdl)
     nbytes = sum(a.nbytes for a in qw) + 2 * H + 2 * I
     ceil = copy_ceiling["torch_gbps"]
     # context, not the bar: a device copy of this GEMV's byte count (read + write counted, as the ceiling)
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     t_copy = device_seconds(capture(lambda s: dst.copy_(src)))
+    # context too: a read of this byte count alone (torch's sum of int32 words, one value written), the time
+    # a kernel that only reads these bytes takes in this run
+    words = torch.ones(nbytes // 4, dtype=torch.int32, device="cuda")
+    t_read = device_seconds(capture(lambda s: words.sum()))
     info = record(benchmark, seconds=t, nbytes=nbytes, ceiling_gbps=ceil, ratio=nbytes / t / 1e9 / ceil,
-                  bar=MX_BAR, op="ge", same_bytes_copy_GBps=nbytes / t_copy / 1e9, same_bytes_copy_us=t_copy * 1e6)
-    print(f"\nqgemv mxfp4 ({route}{', pdl' if pdl else ''}) {info['device_us']:.2f} us, {info['GB/s']:.0f} GB/s = "
-          f"{info['ratio']:.3f} of copy")
+                  bar=MX_BAR, op="ge", same_bytes_copy_GBps=nbytes / t_copy / 1e9, same_bytes_copy_us=t_copy * 1e6,
+                  same_bytes_read_GBps=nbytes / t_read / 1e9, same_bytes_read_us=t_read * 1e6)
+    print(f"\nqgemv mxfp4 ({route}, row tiles {row_tiles or 'auto'}{', pdl' if pdl else ''}) "
+          f"{info['device_us']:.2f} us, {info['GB/s']:.0f} GB/s = {info['ratio']:.3f} of copy (same bytes: "
+          f"copy {t_copy * 1e6:.2f} us, read {t_read * 1e6:.2f} us)")
 
 
 def test_bench_moe_decode_layer_vs_torch_loop(benchmark):

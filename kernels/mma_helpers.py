@@ -29,11 +29,14 @@ from .dtypes import dev_f32_to_bf16
 
 
 
-def kernel(launch_bounds):
-    """``cuda.jit`` for a kernel with launch bounds (the simulator's ``jit`` does not take them)."""
+def kernel(launch_bounds, max_registers=None):
+    """``cuda.jit`` for a kernel with launch bounds and optionally a register cap per thread (the simulator's
+    ``jit`` takes neither)."""
     if config.ENABLE_CUDASIM:
         return cuda.jit
-    return cuda.jit(launch_bounds=launch_bounds)
+    if max_registers is None:
+        return cuda.jit(launch_bounds=launch_bounds)
+    return cuda.jit(launch_bounds=launch_bounds, max_registers=max_registers)
 
 
 @cuda.jit(device=True, inline="always")

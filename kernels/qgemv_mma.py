@@ -9,7 +9,9 @@ the instructions per value low:
 
 - a block is 4 warps over 16 rows of W and up to 8 columns of x (the batch); warp w takes the int4 groups
   (128 values) w, w + 4, ... and the warps' partial sums meet in shared memory at the end. At B = 1 the
-  loop takes two groups per step through two register sets, so that neither set is copied into the other;
+  loop takes two groups per step through two register sets, so that neither set is copied into the other.
+  At B = 1 a block may hold up to 7 such row tiles (``row_tiles``, 4 warps each, 896 threads at most: the
+  warps of 7 blocks of 128 in one), so that x is staged once for all of them instead of once per tile;
 - lane (g, t) = (lane / 4, lane % 4) loads one 16-byte chunk (32 values) of rows g and g + 8 per group:
   values 32t .. 32t + 31 of the group (for MXFP4 that is exactly one block: one scale per lane and row).
   The next group's chunks and scales are loaded before the current group is multiplied (``prefetch``),
@@ -61,7 +63,10 @@ W = mh.WARPS             # warps per block (the simulator's mma scratch is sized
 ROWS, COLS = 16, 8       # rows of W and columns of x per block
 GROUP = 128
 XS_WORDS = 2048          # staged x per block: 4096 bf16 (B = 1) or 8 columns of 512, as permuted pairs
+X_CHUNKS = XS_WORDS // 4  # 8-value chunks of a B = 1 tile
+MAX_ROW_TILES = 7        # B = 1: 16-row tiles per block (4 warps each; 7 make 896 threads, the 7 blocks of 128)
 MIN_BLOCKS = 7           # launch bounds: 7 resident blocks per SM (<= 72 registers) fill a wave of 896 blocks
+MAX_REGS = 72            # registers per thread: 65,536 per SM / (7 * 128 threads), in allocation units of 8
 
 
 @cuda.jit(device=True, inline="always")
@@ -132,8 +137,9 @@ def _b_pairs(x0, x1, x2, x3):
 
 
 @cuda.jit(device=True, inline="always")
-def _stage_x(xs, x, tid, t0, ku, col0, n_batch, NC, NCH, CS):
-    """Stage the x tile starting at K index t0 into ``xs``, permuted into B pairs (every thread calls it)."""
+def _stage_x(xs, x, tid, t0, ku, col0, n_batch, NC, NCH, CS, NT):
+    """Stage the x tile starting at K index t0 into ``xs``, permuted into B pairs (every one of the block's
+    ``NT`` threads calls it)."""
     u = uint32
     e = tid
     while e < u(NC * NCH):
@@ -147,7 +153,7 @@ def _stage_x(xs, x, tid, t0, ku, col0, n_batch, NC, NCH, CS):
         r = c % u(16)              # chunk r of its group: lane t = r // 4, word om = r % 4
         o = col * u(CS) + (c // u(16)) * u(64) + (r // u(4)) * u(16) + u(4) * ((r + r // u(4)) & u(3))
         st4w(xs, o, w0, w1, w2, w3)
-        e += u(mh.THREADS)
+        e += u(NT)
 
 
 @cuda.jit(device=True, inline="always")
@@ -175,17 +181,20 @@ X_BIG = 0x3A803A80       # added to |x| (two bf16 halves, 15 bits each): carries
 
 
 @cuda.jit(device=True, inline="always")
-def _stage_x_mx_words(xs, x, tid, t0, ku, ef):
-    """Store the thread's 4 chunks of the tile at K index t0 as bf16 x · 2^(253 - ef) in the B-pair order
-    of ``_stage_x``; returns the thread's X_BIG carries (bits 15 and 31 set where some |x| >= 2^12)."""
+def _stage_x_mx_words(xs, x, tid, t0, ku, ef, NT):
+    """Store the thread's chunks of the tile at K index t0 (chunk tid + NT j of 512, ``NT`` threads in the
+    block) as bf16 x · 2^(253 - ef) in the B-pair order of ``_stage_x``; returns the thread's X_BIG carries
+    (bits 15 and 31 set where some |x| >= 2^12)."""
     u = uint32
     sc = (u(380) - ef) << u(7)             # bf16 2^c (exponent field c + 127), c = 253 - ef in [-1, 127]
     sc = sc | (sc << u(16))
     big = u(0)
-    for j in range(4):                     # chunk c = tid + 128 j: values t0 + 8c .. t0 + 8c + 7
-        c = tid + u(128 * j)
+    for j in range(-(-X_CHUNKS // NT)):    # chunk c = tid + NT j: values t0 + 8c .. t0 + 8c + 7
+        c = tid + u(NT * j)
         kk = u32_add(t0, u(8) * c)
         x0 = x1 = x2 = x3 = u(0)
+        if X_CHUNKS % NT != 0 and c >= u(X_CHUNKS):   # (NT not dividing the tile's chunks: past the tile)
+            break
         if kk < ku:
             x0, x1, x2, x3 = ld8_ro(x, (0, kk))
         m = u(0x7FFF7FFF)
@@ -200,7 +209,7 @@ def _stage_x_mx_words(xs, x, tid, t0, ku, ef):
 
 
 @cuda.jit(device=True, inline="always")
-def _stage_x_mx(xs, x, tid, t0, ku, mx, slot):
+def _stage_x_mx(xs, x, tid, t0, ku, mx, slot, NT):
     """B = 1, MXFP4: stage the x tile starting at K index t0 as bf16 x · 2^c in the B-pair order of
     ``_stage_x`` (exact: a power-of-two scale; ``_tile_fac`` gives the factor back), and end at a barrier.
     c = 116 (``X_EF``) when every |x| of the tile is below 2^12 (one pass; the barrier also tells whether
@@ -208,21 +217,22 @@ def _stage_x_mx(xs, x, tid, t0, ku, mx, slot):
     largest |x|) so that the largest lands below 2^127. ``mx[slot]``: the tile's exponent source, X_EF << 7
     unless raised by the second pass (reset by the previous tile)."""
     u = uint32
-    big = _stage_x_mx_words(xs, x, tid, t0, ku, u(X_EF))
+    big = _stage_x_mx_words(xs, x, tid, t0, ku, u(X_EF), NT)
     again = cuda.syncthreads_or(int32(big != u(0)))
     if tid == u(0):
         mx[u(1) - slot] = int32(X_EF << 7)   # reset the other slot for the next tile
     if again != 0:                         # the same branch in every thread of the block
         mlo = mhi = u(0)                   # the largest |x| of the low and the high halves (bf16 bits)
-        for j in range(4):
-            kk = u32_add(t0, u(8) * (tid + u(128 * j)))
-            if kk < ku:
+        for j in range(-(-X_CHUNKS // NT)):
+            c = tid + u(NT * j)
+            kk = u32_add(t0, u(8) * c)
+            if kk < ku and (X_CHUNKS % NT == 0 or c < u(X_CHUNKS)):
                 x0, x1, x2, x3 = ld8_ro(x, (0, kk))
                 mlo = max(mlo, x0 & u(0x7FFF), x1 & u(0x7FFF), x2 & u(0x7FFF), x3 & u(0x7FFF))
                 mhi = max(mhi, x0 & u(0x7FFF0000), x1 & u(0x7FFF0000), x2 & u(0x7FFF0000), x3 & u(0x7FFF0000))
         cuda.atomic.max(mx, slot, int32(max(mlo, mhi >> u(16))))
         cuda.syncthreads()
-        _stage_x_mx_words(xs, x, tid, t0, ku, _tile_ef(mx, slot))
+        _stage_x_mx_words(xs, x, tid, t0, ku, _tile_ef(mx, slot), NT)
         cuda.syncthreads()
 
 
@@ -301,14 +311,15 @@ def _acc_group(is_int4, probe, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, za, zb, u
 
 @functools.lru_cache(maxsize=None)
 def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ahead: int = 0, probe: bool = False,
-         stages: int = 0):
+         stages: int = 0, row_tiles: int = 1):
     """``ncols``: columns of x staged per block, 1 (B = 1) or 8; ``prefetch``: load the next group's
     chunks before multiplying the current one (False: at the top of each iteration, for comparison);
     ``l2_ahead``: also ``prefetch.global.L2`` the chunks of the group that many iterations ahead (0: none);
     ``probe`` (measurement only, wrong results): the same loads, staging and loop with no decode and no mma,
     the memory side of the kernel alone; ``stages`` > 1: W's chunks go through a per-warp ring of that many
     groups in shared memory by ``cp.async`` (``stages - 1`` groups in flight while one is multiplied, no
-    registers held for them); 0: loaded into registers (one group ahead with ``prefetch``)."""
+    registers held for them); 0: loaded into registers (one group ahead with ``prefetch``). ``row_tiles`` (the
+    batch-1 loop only): 16-row tiles per block, 4 warps each, that share one staging of x (``launch``)."""
     from .qgemv import INT4, _ld16_ro
     MS0, MS1 = mh.SIM_MMA_SCRATCH          # simulator-only scratch (1 x 1 on the GPU)
     QS = mh.SIM_RED_SCRATCH
@@ -330,17 +341,34 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
     MXD = B1 and not is_int4               # MXFP4 at B = 1: block scales applied to D (``_acc_group_mxd``)
     XSA = XSN + (16 if MXD else 0)         # + a zero block read by the lanes whose B column is not theirs
     WAIT = cp_async_waiter(S - 1 if CPA else 0)
+    RT = row_tiles
+    if RT != 1 and not B1:
+        raise ValueError(f"row_tiles > 1 is a batch-1 option of the register loop, got {RT}")
+    if not 1 <= RT <= MAX_ROW_TILES:
+        raise ValueError(f"row_tiles must be 1 to {MAX_ROW_TILES}, got {RT}")
+    NT = mh.THREADS * RT                   # threads per block
+    RW = RT * W                            # warps per block
+    MSR = MS0 * RT if MS0 > 1 else 1       # simulator scratch: one row per thread
+    QSR = QS * RT if QS > 1 else 1
     u = uint32
 
-    @mh.kernel((mh.THREADS, MIN_BLOCKS))
+    # launch bounds of 7 blocks of 128 threads per SM (72 registers); blocks of several row tiles take that
+    # register cap explicitly (896 threads in 1 to 7 blocks)
+    @mh.kernel((NT, max(1, MIN_BLOCKS // RT)), max_registers=MAX_REGS if RT > 1 else None)
     def qgemv_q4_mma(packed, scales, zeros, x, bias, y, n_rows, n_batch, k):
         # packed [N * K/2] u8 (rows of W, flattened); int4: scales, zeros [N * K/128] f16|f32; mxfp4: scales
         # [N * K/32] u8 (E8M0), zeros ignored; x [B, K] bf16; bias [N] bf16; y [B, N] bf16.
-        # grid (ceil(N / 16), ceil(B / 8)); block 128. Index arithmetic is uint32 (no wraparound code).
+        # grid (ceil(N / (16 RT)), ceil(B / 8)); block 128 RT: warp gw = 4 rt + wid takes row tile rt's
+        # share wid of K. Index arithmetic is uint32 (no wraparound code).
         tid = u(cuda.threadIdx.x)
-        lane, wid = tid % u(32), tid // u(32)
+        lane, gw = tid % u(32), tid // u(32)
+        if RT == 1:
+            wid = gw
+            row0 = u32_mad(cuda.blockIdx.x, ROWS, 0)
+        else:
+            wid = gw % u(W)
+            row0 = u32_mad(u32_mad(cuda.blockIdx.x, RT, gw // u(W)), ROWS, 0)
         g, t = lane // u(4), lane % u(4)
-        row0 = u32_mad(cuda.blockIdx.x, ROWS, 0)
         col0 = u32_mad(cuda.blockIdx.y, COLS, 0)
         nr1 = u32_add(n_rows, 0xFFFFFFFF)
         ra = min(u32_add(row0, g), nr1)
@@ -360,10 +388,10 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
         xr1 = u(4) * ((t + u(1)) & u(3))
         xr2 = u(4) * ((t + u(2)) & u(3))
         xr3 = u(4) * ((t + u(3)) & u(3))
-        scratch = cuda.shared.array((MS0, MS1), np.float64)
+        scratch = cuda.shared.array((MSR, MS1), np.float64)
         xs = cuda.shared.array(XSA, np.uint32)
-        red = cuda.shared.array((W, 32, 4), np.float32)
-        qsum = cuda.shared.array(QS, np.float32)
+        red = cuda.shared.array((RW, 32, 4), np.float32)
+        qsum = cuda.shared.array(QSR, np.float32)
         mx = cuda.shared.array(2, np.int32)    # MXD: the x tile's scale source (``_tile_ef``), two slots alternating
         ring = cuda.shared.array(RING, np.uint32)
         slot = (wid * u(S) * u(2)) * u(128) + lane * u(4)   # + (stage * 2 + row half) * 128
@@ -383,8 +411,8 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
             # (ta*) are taken back by ``_tile_fac``.
             ta0 = ta2 = float32(0.0)
             if MXD:          # the finished tiles' sums wait in the thread's own slots of ``red``: registers held
-                red[wid, lane, 0] = float32(0.0)   # across the whole loop were spilled to local memory
-                red[wid, lane, 2] = float32(0.0)
+                red[gw, lane, 0] = float32(0.0)    # across the whole loop were spilled to local memory
+                red[gw, lane, 2] = float32(0.0)
             xst = u(0 if MXD else 64)
             xbb = u(XSN) if MXD else xb
             if MXD:          # only lanes 0, 9, 18, 27 read x, one per quarter warp: no bank rotation needed
@@ -417,12 +445,12 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                 cuda.syncthreads()             # (the previous tile is no longer read)
                 if MXD:
                     if tile > u(0):
-                        red[wid, lane, 0] += ta0 * _tile_fac(mx, (tile + u(1)) % u(2))
-                        red[wid, lane, 2] += ta2 * _tile_fac(mx, (tile + u(1)) % u(2))
+                        red[gw, lane, 0] += ta0 * _tile_fac(mx, (tile + u(1)) % u(2))
+                        red[gw, lane, 2] += ta2 * _tile_fac(mx, (tile + u(1)) % u(2))
                     ta0 = ta2 = float32(0.0)
-                    _stage_x_mx(xs, x, tid, u32_mad(base, GROUP, 0), ku, mx, tile % u(2))   # ends at a barrier
+                    _stage_x_mx(xs, x, tid, u32_mad(base, GROUP, 0), ku, mx, tile % u(2), NT)   # ends at a barrier
                 else:
-                    _stage_x(xs, x, tid, u32_mad(base, GROUP, 0), ku, col0, n_batch, NC, NCH, CS)
+                    _stage_x(xs, x, tid, u32_mad(base, GROUP, 0), ku, col0, n_batch, NC, NCH, CS, NT)
                     cuda.syncthreads()
                 nbase = u32_add(base, TG)      # the next tile (for the last pair's X)
                 nti = u(u32_add(min(u(TG), u32_mad(nbase, 0xFFFFFFFF, ng)), 3) >> u(2)) if nbase < ng else u(0)
@@ -460,8 +488,8 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                 tile = u32_add(tile, 1)
             if MXD:                            # the last tile's sums; then the 4 blocks of a row: lanes t
                 tfac = _tile_fac(mx, (n_tiles + u(1)) % u(2))
-                acc0 = mh.quad_sum(red[wid, lane, 0] + ta0 * tfac, qsum)
-                acc2 = mh.quad_sum(red[wid, lane, 2] + ta2 * tfac, qsum)
+                acc0 = mh.quad_sum(red[gw, lane, 0] + ta0 * tfac, qsum)
+                acc2 = mh.quad_sum(red[gw, lane, 2] + ta2 * tfac, qsum)
         else:
             n_it = (ng + u(W - 1)) // u(W)         # the same trip count in every warp (the mma is warp-wide)
             # the first group's loads (with prefetch: then always one group ahead)
@@ -484,7 +512,7 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
             while it < n_it:
                 if it % u(TI) == u(0):             # stage the next tile of x, permuted into B pairs
                     cuda.syncthreads()             # (the previous tile is no longer read)
-                    _stage_x(xs, x, tid, it * u(W * GROUP), ku, col0, n_batch, NC, NCH, CS)
+                    _stage_x(xs, x, tid, it * u(W * GROUP), ku, col0, n_batch, NC, NCH, CS, NT)
                     cuda.syncthreads()
                 gi = u32_mad(it, W, wid)
                 if CPA:                            # issue stage it + S - 1, wait for stage it, read it
@@ -521,16 +549,17 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                 acc0, acc1, acc2, acc3 = _acc_group(is_int4, PROBE, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, za, zb, ua, ub,
                                                     ea, eb, xs, xo, xr0, xr1, xr2, xr3, scratch, acc0, acc1, acc2, acc3)
                 it = u32_add(it, 1)
-        red[wid, lane, 0] = acc0
-        red[wid, lane, 1] = acc1
-        red[wid, lane, 2] = acc2
-        red[wid, lane, 3] = acc3
+        red[gw, lane, 0] = acc0
+        red[gw, lane, 1] = acc1
+        red[gw, lane, 2] = acc2
+        red[gw, lane, 3] = acc3
         cuda.syncthreads()
-        if wid == u(0):
+        if wid == u(0):                          # warp 0 of each row tile
+            w0 = u(0) if RT == 1 else gw
             for i in range(4):                   # D: (row g | g + 8) x (col 2t | 2t + 1)
-                v = red[0, lane, i]
+                v = red[w0, lane, i]
                 for w in range(1, W):
-                    v += red[w, lane, i]
+                    v += red[w0 + u(w), lane, i]
                 row = row0 + g + u(8 * (i // 2))
                 col = col0 + u(2) * t + u(i % 2)
                 if row < u(n_rows) and col < u(n_batch):
@@ -542,11 +571,12 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
 
 
 def launch(kind, packed, scales, zeros, x, out, bias, stream, prefetch=True, l2_ahead=0, probe=False, stages=0,
-           pdl=False):
+           pdl=False, row_tiles=1):
     """Shapes checked by ``qgemv._launch``; x, out 2-D; ``zeros`` None for MXFP4; ``l2_ahead`` and ``probe``
     as in ``make`` (the sweep's measurements). ``pdl``: programmatic dependent launch (``launch_pdl``): the
     kernel loads its first groups of W while the kernel before it on the stream finishes, and reads x, bias
-    and ``out`` only after that kernel is done; the kernel before it must not write W, scales or zeros."""
+    and ``out`` only after that kernel is done; the kernel before it must not write W, scales or zeros.
+    ``row_tiles``: 16-row tiles per block at batch 1 (1 to 7; 0: ``auto_row_tiles`` for this device)."""
     n, b, k = packed.shape[0], x.shape[0], 2 * packed.shape[1]
     if k % GROUP:
         raise ValueError(f"the mma route takes K in multiples of {GROUP}, got {k}")
@@ -554,13 +584,49 @@ def launch(kind, packed, scales, zeros, x, out, bias, stream, prefetch=True, l2_
         raise ValueError(f"the mma route's cp.async ring takes 2 to 5 stages (0: none), got {stages}")
     if not (packed.is_c_contiguous() and scales.is_c_contiguous() and (zeros is None or zeros.is_c_contiguous())):
         raise ValueError("the mma route takes C-contiguous packed weights, scales and zeros")
-    kern = make(kind, bias is not None, 1 if b == 1 else COLS, bool(prefetch), int(l2_ahead), bool(probe), int(stages))
+    b1 = b == 1 and prefetch and stages <= 1 and not l2_ahead
+    if row_tiles == 0:
+        row_tiles = auto_row_tiles(n) if b1 else 1
+    elif not (isinstance(row_tiles, int) and 1 <= row_tiles <= MAX_ROW_TILES):
+        raise ValueError(f"row_tiles must be 0 (auto) or 1 to {MAX_ROW_TILES}, got {row_tiles!r}")
+    elif row_tiles > 1 and not b1:
+        raise ValueError(f"row_tiles > 1 takes batch 1 with prefetch, no cp.async ring and no L2 prefetch "
+                         f"(got batch {b}, prefetch {prefetch}, stages {stages}, l2_ahead {l2_ahead})")
+    kern = make(kind, bias is not None, 1 if b == 1 else COLS, bool(prefetch), int(l2_ahead), bool(probe), int(stages),
+                int(row_tiles))
     flat = [a.reshape(a.shape[0] * a.shape[1]) for a in (packed, scales, scales if zeros is None else zeros)]
     args = (*flat, x, x if bias is None else bias, out, n, b, k)
+    grid, threads = (-(-n // (ROWS * row_tiles)), -(-b // COLS)), mh.THREADS * row_tiles
     if pdl:
-        launch_pdl(kern, (-(-n // ROWS), -(-b // COLS)), mh.THREADS, stream, args)
+        launch_pdl(kern, grid, threads, stream, args)
     else:
-        kern[(-(-n // ROWS), -(-b // COLS)), mh.THREADS, stream](*args)
+        kern[grid, threads, stream](*args)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count() -> int:
+    from numba import config
+    if config.ENABLE_CUDASIM:
+        return 0
+    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+
+
+def auto_row_tiles(n: int, sms: int | None = None) -> int:
+    """16-row tiles per block for a batch-1 GEMV with ``n`` rows on ``sms`` SMs (default: this device's;
+    1 in the simulator). A block of r tiles stages x once for all of them (one staging per SM instead of up
+    to 7). Taken only where the grid of r-tile blocks still fills the device in one wave and loads no SM with
+    more tiles than blocks of one tile would: the largest such r of 2 .. 7, else 1."""
+    sms = _sm_count() if sms is None else sms
+    tiles = -(-n // ROWS)
+    if sms <= 0 or tiles > MIN_BLOCKS * sms:
+        return 1
+    worst = -(-tiles // sms)                       # tiles on the busiest SM with blocks of one tile
+    for r in range(MAX_ROW_TILES, 1, -1):
+        blocks = -(-tiles // r)
+        per_sm = max(1, MIN_BLOCKS // r)           # resident blocks of r tiles per SM (72 registers)
+        if blocks <= per_sm * sms and -(-blocks // sms) * r <= worst and blocks >= 0.9 * min(sms, tiles):
+            return r
+    return 1
 
 
 def workspace_requirement(n: int, k: int, batch: int = 1):
@@ -589,7 +655,9 @@ def _signatures():
     from .qgemv import INT4, MXFP4
     return ([(make(INT4, hb, nc).py_func, _sig(st, hb))
              for st, hb, nc in (("float16", False, 1), ("float16", True, 1), ("float32", False, 1), ("float16", False, COLS))]
-            + [(make(MXFP4, hb, nc).py_func, _sig("uint8", hb)) for hb, nc in ((False, 1), (True, 1), (False, COLS))])
+            + [(make(MXFP4, hb, nc).py_func, _sig("uint8", hb)) for hb, nc in ((False, 1), (True, 1), (False, COLS))]
+            + [(make(INT4, False, 1, row_tiles=2).py_func, _sig("float16", False)),      # blocks of several row
+               (make(MXFP4, False, 1, row_tiles=7).py_func, _sig("uint8", False))])     # tiles (auto_row_tiles)
 
 
 SIGNATURES = _signatures()

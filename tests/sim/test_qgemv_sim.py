@@ -238,6 +238,60 @@ def test_qgemv_mma_pdl_option():
     assert np.all(np.abs(out.copy_to_host().astype(np.int32) - qgemv.reference_mxfp4(*qm, x, None).astype(np.int32)) <= 1)
 
 
+@pytest.mark.parametrize("kind,n,k,row_tiles,bias,outlier", [
+    ("int4", 40, 640, 2, True, False),      # 3 row tiles in blocks of 2: the second block's last tile past N
+    ("mxfp4", 40, 640, 2, False, False),
+    ("mxfp4", 40, 4608, 3, True, True),     # 384 threads (not dividing the 512 chunks of a tile), two x tiles,
+])                                          # the second staged again at its own scale
+def test_qgemv_mma_row_tiles_share_one_staging(kind, n, k, row_tiles, bias, outlier):
+    """Batch 1 with several 16-row tiles per block (``QgemvConfig(mma_row_tiles=r)``): 4 r warps stage x once
+    for all the block's tiles and each tile's 4 warps sum their rows as before. Same bits as the reference."""
+    rng = np.random.default_rng(n * k + row_tiles)
+    cfg = qgemv.QgemvConfig(route="mma", mma_row_tiles=row_tiles)
+    if kind == "int4":
+        qw, x, bb, out = int4_case(n * k + 1, n, k, 1, bias, np.float16)
+        qgemv.qgemv_int4(dev(qw.packed), dev(qw.scales), dev(qw.zeros), dev(x), out,
+                         bias=None if bb is None else dev(bb), config=cfg)
+        ref, wf = qgemv.reference_int4(*qw, x, bb), dequantize_int4(*qw)
+    else:
+        xf = rng.standard_normal((1, k)).astype(np.float32)
+        if outlier:
+            xf[0, 4096 + 5] = 1e6                # |x| >= 2^12 in the second tile only
+        x = f32_to_bf16(xf)
+        qw = quantize_mxfp4((rng.standard_normal((n, k)) * 0.05).astype(np.float32))
+        bb = f32_to_bf16(rng.standard_normal(n).astype(np.float32)) if bias else None
+        out = cuda.device_array((1, n), np.uint16)
+        qgemv.qgemv_mxfp4(dev(qw.packed), dev(qw.scales), dev(x), out, bias=None if bb is None else dev(bb),
+                          config=cfg)
+        ref, wf = qgemv.reference_mxfp4(*qw, x, bb), dequantize_mxfp4(*qw)
+    got = out.copy_to_host()
+    check(got, wf, x, bb)
+    assert np.all(np.abs(got.astype(np.int32) - ref.astype(np.int32)) <= 1)
+
+
+def test_qgemv_mma_row_tiles_checked():
+    """``mma_row_tiles`` is 0 (auto) or 1 to 7, and more than 1 only at batch 1 (the register loop)."""
+    qw, x, _, out = int4_case(7, 20, 256, 1, False, np.float16)
+    args = (dev(qw.packed), dev(qw.scales), dev(qw.zeros))
+    for bad in (8, -1):
+        with pytest.raises(ValueError, match="row_tiles"):
+            qgemv.qgemv_int4(*args, dev(x), out, config=qgemv.QgemvConfig(route="mma", mma_row_tiles=bad))
+    x2 = np.concatenate([x, x])
+    with pytest.raises(ValueError, match="batch 2"):
+        qgemv.qgemv_int4(*args, dev(x2), cuda.device_array((2, 20), np.uint16),
+                         config=qgemv.QgemvConfig(route="mma", mma_row_tiles=2))
+
+
+def test_auto_row_tiles():
+    """Blocks of several row tiles are picked only where they fill a 132-SM device in one wave without
+    loading an SM with more tiles than blocks of one tile would."""
+    from vmmstream.kernels.qgemv_mma import auto_row_tiles
+    got = {n: auto_row_tiles(n, 132) for n in (14336, 8192, 6144, 4096, 3072, 1024, 28672)}
+    assert got == {14336: 7, 8192: 4, 6144: 3, 4096: 2, 3072: 1, 1024: 1, 28672: 1}
+    assert auto_row_tiles(14336, 0) == 1          # the simulator (no SM count)
+    assert auto_row_tiles(14336, 100) == 1        # 896 tiles > 7 per SM: more than one wave either way
+
+
 def test_dev_mx_nibbles_inverts_the_stored_layout():
     """The device turn-back of a stored MXFP4 word into nibbles (used by every kernel that reads codes one by
     one) agrees with the host packing for every code at every position."""
