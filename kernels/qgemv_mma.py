@@ -571,7 +571,7 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
 
 
 def launch(kind, packed, scales, zeros, x, out, bias, stream, prefetch=True, l2_ahead=0, probe=False, stages=0,
-           pdl=False, row_tiles=1):
+           pdl=False, row_tiles=0):
     """Shapes checked by ``qgemv._launch``; x, out 2-D; ``zeros`` None for MXFP4; ``l2_ahead`` and ``probe``
     as in ``make`` (the sweep's measurements). ``pdl``: programmatic dependent launch (``launch_pdl``): the
     kernel loads its first groups of W while the kernel before it on the stream finishes, and reads x, bias

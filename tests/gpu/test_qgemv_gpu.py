@@ -127,16 +127,17 @@ def _quantized(kind, n, k):
     return quantize_int4(w) if kind == "int4" else quantize_mxfp4(w)
 
 
-@pytest.mark.parametrize("prefetch,l2,stages,row_tiles", [(True, 0, 0, 1), (True, 0, 0, 0), (False, 0, 0, 1),
+@pytest.mark.parametrize("prefetch,l2,stages,row_tiles", [(True, 0, 0, 0), (True, 0, 0, 1), (False, 0, 0, 1),
                                                            (True, 4, 0, 1), (True, 0, 4, 1)],
-                         ids=["prefetch", "prefetch-rtauto", "noprefetch", "prefetch-l2", "cpasync4"])
+                         ids=["prefetch", "prefetch-rt1", "noprefetch", "prefetch-l2", "cpasync4"])
 @pytest.mark.parametrize("kind", ["int4", "mxfp4"])
 @pytest.mark.parametrize("n,k,b,bias", [(I, H, 1, False), (H, I, 1, True), (H, I, 11, False)])
 def test_qgemv_mma_route(stream, rng, kind, n, k, b, bias, prefetch, l2, stages, row_tiles):
     """The tensor-core route at Llama-8B MLP shapes, batch 1 (x staged in 1 or 4 tiles) and 11 (two column
     tiles), with and without the one-group-ahead loads, the L2 prefetch 4 groups ahead and W through a cp.async
-    ring of 4 stages, same bounds as the scalar route. ``rtauto``: at batch 1, blocks of several row tiles
-    sharing one staging of x (on a 132-SM H200 7 at N 14336, 2 at N 4096: ``auto_row_tiles``)."""
+    ring of 4 stages, same bounds as the scalar route. ``prefetch`` is the default: at batch 1, blocks of
+    several row tiles sharing one staging of x (on 132 SMs 7 at N 14336, 2 at N 4096: ``auto_row_tiles``);
+    ``rt1`` one tile per block."""
     from numba import cuda
     x = f32_to_bf16(rng.standard_normal((b, k), dtype=np.float32))
     bb = f32_to_bf16(rng.standard_normal(n, dtype=np.float32)) if bias else None
