@@ -3,6 +3,9 @@ alone (probe), its compute side alone (all blocks read the same 16 rows of W, wh
 
     python scripts/diag_qgemv.py OUT.json
     DIAG_MODULES=qgemv_mma DIAG_KINDS=mxfp4 DIAG_MODES=full,compute python scripts/diag_qgemv.py OUT.json   # a subset
+    DIAG_ROW_TILES=1,7 DIAG_MODES=full,compute python scripts/diag_qgemv.py OUT.json   # 16-row tiles per block
+
+Row tiles other than 1 apply to ``qgemv_mma`` without the probe (the batch-1 register loop).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ H, I = 4096, 14336
 MODS = [m for m in os.environ.get("DIAG_MODULES", "qgemv_mma").split(",") if m]
 MODES = [m for m in os.environ.get("DIAG_MODES", "full,probe,compute,compute+probe").split(",") if m]
 KINDS = [m for m in os.environ.get("DIAG_KINDS", "int4,mxfp4").split(",") if m]
+ROW_TILES = [int(r) for r in os.environ.get("DIAG_ROW_TILES", "1").split(",") if r]
 if set(KINDS) - {"int4", "mxfp4"}:
     sys.exit(f"DIAG_KINDS takes int4 and mxfp4, got {','.join(KINDS)}")
 
@@ -58,24 +62,27 @@ def main(out):
                     probe = "probe" in mode
                     if probe and not getattr(mod, "HAS_PROBE", True):
                         continue
-                    n_rows = 16 if "compute" in mode else I
-                    grid = (I // 16, 1)
-                    if modname == "qgemv_mx16":
-                        if kind != "mxfp4":
+                    for rt in ROW_TILES:
+                        if rt != 1 and (probe or modname == "qgemv_mx16"):
                             continue
-                        kern = mod.make(False, probe=probe, **kw)
-                        args = (flat[0].view(np.uint32), flat[1].view(np.uint32), x, x, y, n_rows, H)
-                    else:
-                        kern = mod.make(kid, False, 1, probe=probe, **kw)
-                        args = (*flat, x, x, y, n_rows, 1, H)
+                        n_rows = 16 if "compute" in mode else I
+                        grid = (-(-I // (16 * rt)), 1)
+                        if modname == "qgemv_mx16":
+                            if kind != "mxfp4":
+                                continue
+                            kern = mod.make(False, probe=probe, **kw)
+                            args = (flat[0].view(np.uint32), flat[1].view(np.uint32), x, x, y, n_rows, H)
+                        else:
+                            kern = mod.make(kid, False, 1, probe=probe, row_tiles=rt, **kw)
+                            args = (*flat, x, x, y, n_rows, 1, H)
 
-                    def fn(s):
-                        kern[grid, mh.THREADS, s](*args)
-                    t = device_seconds(capture(fn))
-                    rows.append(dict(kind=kind, module=modname, variant=vname, mode=mode, us=t * 1e6,
-                                     gbps=nbytes / t / 1e9))
-                    print(f"{kind:5s} {modname} {vname:12s} {mode:14s} {t * 1e6:6.1f} us {nbytes / t / 1e9:6.0f} GB/s",
-                          flush=True)
+                        def fn(s):
+                            kern[grid, mh.THREADS * rt, s](*args)
+                        t = device_seconds(capture(fn))
+                        rows.append(dict(kind=kind, module=modname, variant=vname, mode=mode, row_tiles=rt,
+                                         us=t * 1e6, gbps=nbytes / t / 1e9))
+                        print(f"{kind:5s} {modname} {vname:12s} {mode:14s} rt {rt} {t * 1e6:6.1f} us "
+                              f"{nbytes / t / 1e9:6.0f} GB/s", flush=True)
     with open(out, "w") as f:
         json.dump(rows, f, indent=1)
 
