@@ -73,7 +73,7 @@ def main(out):
                             kern = mod.make(False, probe=probe, **kw)
                             args = (flat[0].view(np.uint32), flat[1].view(np.uint32), x, x, y, n_rows, H)
                         else:
-                            kern = mod.make(kid, False, 1, probe=probe, row_tiles=rt, **kw)
+                            kern = mod.make(kid, False, 1, probe=probe, **kw, **({} if rt == 1 else {"row_tiles": rt}))
                             args = (*flat, x, x, y, n_rows, 1, H)
 
                         def fn(s):
