@@ -59,7 +59,8 @@ class QgemvConfig:
     mma_stages: int = 0      # mma route: > 1: W through a per-warp cp.async ring of this many groups (3, 4 or 5)
     mma_row_tiles: int = 0   # mma route, batch 1: 16-row tiles per block sharing one staging of x (1 to 7;
                              # 0: picked for the device's SM count, ``qgemv_mma.auto_row_tiles``: 7 at N 14336
-                             # on 132 SMs; on an H100 MXFP4 3-4 % and int4 10-13 % faster than 1 there, docs/BENCHMARKS.md)
+                             # on 132 SMs; there, on an H100, MXFP4 3-4 % and int4 10-13 % faster than 1,
+                             # docs/BENCHMARKS.md)
     pdl: bool = False        # mma route: programmatic dependent launch (loads W while the previous kernel on the
                              # stream finishes); only where that kernel does not write these weights. With
                              # route "auto" it applies where the mma route is taken (a simt launch is plain)
