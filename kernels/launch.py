@@ -17,7 +17,7 @@ Device side (identical call sites compiled and simulated):
   shared (the simulator copies at once). ``prefetch_l2``: warm L2 with the line of an element (a no-op in
   the simulator).
 - ``ld1w_ro``: one word of a read-only 1-D uint32 array (``ld.global.nc``). ``u32_add`` / ``u32_mad``: index
-  arithmetic in 32 bits (Numba widens uint32 operands to 64 bits, which costs carry and compare pairs in
+  arithmetic in 32 bits (``u32_mul_hi``: the high word of a product, several right shifts at once) (Numba widens uint32 operands to 64 bits, which costs carry and compare pairs in
   hot loops). ``f32_as_u32`` / ``u32_as_f32``: bit casts.
 - ``lane_ptr`` / ``ptr_add`` / ``ld16_at`` / ``ld1b_at``: a thread's base address in a 1-D uint8 array held in one
   register, and read-only 16-byte and 1-byte loads at base + i * step (the simulator's "address" is the
@@ -230,6 +230,9 @@ if SIM:
     def u32_mad(a, b, c):
         return np.uint32((int(a) * int(b) + int(c)) & 0xFFFFFFFF)
 
+    def u32_mul_hi(a, b):
+        return np.uint32(int(a) * int(b) >> 32)
+
     def u32_pin(a):
         return np.uint32(a)
 
@@ -413,6 +416,17 @@ else:
         """a * b + c in 32-bit arithmetic (wrapping)."""
         sig = types.uint32(types.uint32, types.uint32, types.uint32)
         return sig, lambda context, builder, sig, args: builder.add(builder.mul(args[0], args[1]), args[2])
+
+    @intrinsic
+    def u32_mul_hi(typingctx, a, b):
+        """The high 32 bits of the 64-bit product a * b (``mul.hi.u32``, one IMAD.HI)."""
+        sig = types.uint32(types.uint32, types.uint32)
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32]), "mul.hi.u32 $0, $1, $2;", "=r,r,r")
+            return builder.call(asm, list(args))
+        return sig, codegen
 
     @intrinsic
     def u32_pin(typingctx, a):

@@ -28,8 +28,9 @@ the instructions per value low:
   D is scaled by its row's group scale once;
 - MXFP4: the three magnitude bits of an E2M1 code go to bf16 bits 8..6 and the sign to bit 15, which is
   the value times 2^-126 (the code 0.5 a subnormal). The stored layout spreads a code's fields so that
-  three pairs of a word need one shift and one mask each and the fourth three of each (11 integer
-  instructions per 8 codes; nibbles need 15: sign and magnitude bits sit 3 apart, not 9). At B > 1 one
+  three pairs of a word need one shift and one mask each and the fourth a mask, a shift, one multiply-high
+  and a mask (9 integer instructions per 8 codes; nibbles need 15: sign and magnitude bits sit 3 apart,
+  not 9). At B > 1 one
   packed fma by 2^(e - 1) gives value · 2^(e - 127) exactly (2^(e - 1) is a bf16 for e <= 128; where a
   lane of the warp holds a larger scale, the warp takes a second fma per pair for that group, a warp vote). At B = 1 the codes enter the
   mma as they are and the block scale goes on D instead: B's column 2t holds x only at the k of lane t's
@@ -55,7 +56,7 @@ from . import mma_helpers as mh
 from .dtypes import dev_bf16_to_f32, dev_f32_to_bf16
 from .launch import cp_async16, cp_async_commit, cp_async_waiter, grid_dependency_wait, grid_dependents_launch, \
     launch_pdl, ld16_at, ld1b_at, ld4w, ld8_ro, lane_ptr, \
-    prefetch_l2, ptr_add, st4w, u32_add, u32_as_f32, u32_mad, u32_pin, warp_any
+    prefetch_l2, ptr_add, st4w, u32_add, u32_as_f32, u32_mad, u32_mul_hi, u32_pin, warp_any
 from .workspace import NONE
 
 CAPTURE_SAFE = True      # no allocation, no synchronize, device arrays only
@@ -73,7 +74,10 @@ MAX_REGS = 72            # registers per thread: 65,536 per SM / (7 * 128 thread
 def _e2m1_raw(w, s):
     """E2M1 codes i and i + 4 (i = s/4; s = 0, 4, 8, 12, a constant) of an MXFP4 word in the stored layout
     (``kernels/quant.py``) -> a bf16 pair of value · 2^-126: magnitude to bits 8..6, sign to 15, in each
-    half. Codes 0-2 sit so that one shift (none, 3, 6) and one mask place them; code 3 takes three of each."""
+    half. Codes 0-2 sit so that one shift (none, 3, 6) and one mask place them. Code 3 (magnitude bits at
+    13, 14, 10, sign at 11): its fields t; t >> 7 (13, 14 -> 6, 7) and t >> 2 (10 -> 8), one multiply-high
+    by 2^25 + 2^30, added to t << 4 (11 -> 15): no two of the three copies share a bit (nothing carries),
+    and the mask keeps the four wanted ones. 4 instructions (mask, IMAD.HI, shift-and-add, mask)."""
     m = uint32(0x81C081C0)
     if s == 0:
         return w & m
@@ -81,8 +85,8 @@ def _e2m1_raw(w, s):
         return (w << uint32(3)) & m
     if s == 8:
         return (w << uint32(6)) & m
-    return (((w >> uint32(4)) & uint32(0x00C000C0)) | ((w >> uint32(5)) & uint32(0x01000100))
-            | ((w << uint32(1)) & uint32(0x80008000)))
+    t = u32_pin(w & uint32(0x6C006C00))   # (opaque: LLVM would rewrite t << 4 as a shift and a second mask)
+    return u32_add(t << uint32(4), u32_mul_hi(t, uint32(0x42000000))) & m
 
 
 @cuda.jit(device=True, inline="always")
