@@ -17,8 +17,8 @@ Device side (identical call sites compiled and simulated):
   shared (the simulator copies at once). ``prefetch_l2``: warm L2 with the line of an element (a no-op in
   the simulator).
 - ``ld1w_ro``: one word of a read-only 1-D uint32 array (``ld.global.nc``). ``u32_add`` / ``u32_mad``: index
-  arithmetic in 32 bits (``u32_mul_hi``: the high word of a product, several right shifts at once) (Numba widens uint32 operands to 64 bits, which costs carry and compare pairs in
-  hot loops). ``f32_as_u32`` / ``u32_as_f32``: bit casts.
+  arithmetic in 32 bits (Numba widens uint32 operands to 64 bits, which costs carry and compare pairs in
+  hot loops); ``u32_mul_hi``: the high word of a product (several right shifts summed in one IMAD.HI). ``f32_as_u32`` / ``u32_as_f32``: bit casts.
 - ``lane_ptr`` / ``ptr_add`` / ``ld16_at`` / ``ld1b_at``: a thread's base address in a 1-D uint8 array held in one
   register, and read-only 16-byte and 1-byte loads at base + i * step (the simulator's "address" is the
   element offset).

@@ -30,8 +30,7 @@ the instructions per value low:
   the value times 2^-126 (the code 0.5 a subnormal). The stored layout spreads a code's fields so that
   three pairs of a word need one shift and one mask each and the fourth a mask, a shift, one multiply-high
   and a mask (9 integer instructions per 8 codes; nibbles need 15: sign and magnitude bits sit 3 apart,
-  not 9). At B > 1 one
-  packed fma by 2^(e - 1) gives value · 2^(e - 127) exactly (2^(e - 1) is a bf16 for e <= 128; where a
+  not 9). At B > 1 one packed fma by 2^(e - 1) gives value · 2^(e - 127) exactly (2^(e - 1) is a bf16 for e <= 128; where a
   lane of the warp holds a larger scale, the warp takes a second fma per pair for that group, a warp vote). At B = 1 the codes enter the
   mma as they are and the block scale goes on D instead: B's column 2t holds x only at the k of lane t's
   chunk (the other lanes read a zero block), so D column 2t is MX block t's sum alone and lane t scales it
