@@ -1,5 +1,6 @@
 """Eager launches of the tensor-core quantized GEMV for a profiler (ncu): argv[1] kind (int4 | mxfp4),
-argv[2] mode (full | compute), argv[3] module (default qgemv_mma), argv[4] variant kwargs (Python dict)."""
+argv[2] mode (full | compute), argv[3] module (default qgemv_mma), argv[4] variant kwargs (Python dict; with
+``row_tiles`` the grid and block take that many 16-row tiles per block)."""
 from __future__ import annotations
 
 import ast
@@ -27,6 +28,7 @@ x = cuda.to_device(f32_to_bf16(rng.standard_normal((1, H)).astype(np.float32)))
 y = cuda.device_array((1, I), np.uint16)
 kern = mod.make(qgemv.INT4 if kind == "int4" else qgemv.MXFP4, False, 1, **kw)
 n_rows = 16 if mode == "compute" else I
+rt = kw.get("row_tiles", 1)
 for _ in range(4):
-    kern[(I // 16, 1), mh.THREADS](*flat, x, x, y, n_rows, 1, H)
+    kern[(-(-I // (16 * rt)), 1), mh.THREADS * rt](*flat, x, x, y, n_rows, 1, H)
 cuda.synchronize()
