@@ -36,11 +36,11 @@ def _small_blocks(monkeypatch):
     shapes are tested in their own sim tests: a few hundred simulated threads per launch, not thousands."""
     import functools
 
-    from vmmstream.kernels import gemv, moe, qgemv
+    from vmmstream.kernels import gemv, moe, moe_ffn, qgemv
     monkeypatch.setattr(gemv, "_auto", lambda n, b, cfg: (32, 4 if n % 4 == 0 else 1,
                                                           1 if b == 1 else 2 if b == 2 else 4))
     monkeypatch.setattr(qgemv, "QgemvConfig", functools.partial(qgemv.QgemvConfig, threads=32))
-    monkeypatch.setattr(moe, "MoeConfig", functools.partial(moe.MoeConfig, threads=32))
+    monkeypatch.setattr(moe_ffn, "MoeConfig", functools.partial(moe_ffn.MoeConfig, threads=32))
     for name in ("group_by_expert", "combine"):
         monkeypatch.setattr(moe, name, functools.partial(getattr(moe, name), threads=32))
 

@@ -1,4 +1,4 @@
-"""The NumPy MoE reference (``kernels/moe.py``: router + experts + combine) against transformers' sparse MoE
+"""The NumPy MoE reference (``kernels/moe_reference.py``: router + experts + combine) against transformers' sparse MoE
 blocks (Mixtral, Qwen2-MoE with its gated shared expert, Qwen3-MoE) and against a plain torch loop.
 
 transformers runs in fp32 from bf16-valued weights and inputs; the reference rounds gate, up and h to bf16
