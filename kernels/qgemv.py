@@ -61,6 +61,8 @@ class QgemvConfig:
                              # 0: picked for the device's SM count, ``qgemv_mma.auto_row_tiles``: 7 at N 14336
                              # on 132 SMs; there, on an H100, MXFP4 3-4 % and int4 10-13 % faster than 1,
                              # docs/BENCHMARKS.md)
+    mma_early_y: bool = False  # mma route, batch 1: load each pair's second group one step earlier (the first
+                             # before x is staged): two groups in flight from the start
     pdl: bool = False        # mma route: programmatic dependent launch (loads W while the previous kernel on the
                              # stream finishes); only where that kernel does not write these weights. With
                              # route "auto" it applies where the mma route is taken (a simt launch is plain)
@@ -245,7 +247,8 @@ def _launch(name, kind, packed, scales, zeros, x, out, bias, workspace, stream, 
     if route == "mma":
         from . import qgemv_mma
         qgemv_mma.launch(kind, packed, scales, zeros, x, out, bias, as_stream(stream), cfg.mma_prefetch,
-                         cfg.mma_l2_ahead, stages=cfg.mma_stages, pdl=cfg.pdl, row_tiles=cfg.mma_row_tiles)
+                         cfg.mma_l2_ahead, stages=cfg.mma_stages, pdl=cfg.pdl, row_tiles=cfg.mma_row_tiles,
+                         early_y=cfg.mma_early_y)
         return
     threads, rpw, nb, kt = _auto(b, cfg)
     kern = _make(kind, nb, rpw, threads, bias is not None, kt)

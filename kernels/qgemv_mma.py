@@ -314,7 +314,7 @@ def _acc_group(is_int4, probe, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, za, zb, u
 
 @functools.lru_cache(maxsize=None)
 def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ahead: int = 0, probe: bool = False,
-         stages: int = 0, row_tiles: int = 1):
+         stages: int = 0, row_tiles: int = 1, early_y: bool = False):
     """``ncols``: columns of x staged per block, 1 (B = 1) or 8; ``prefetch``: load the next group's
     chunks before multiplying the current one (False: at the top of each iteration, for comparison);
     ``l2_ahead``: also ``prefetch.global.L2`` the chunks of the group that many iterations ahead (0: none);
@@ -322,7 +322,9 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
     the memory side of the kernel alone; ``stages`` > 1: W's chunks go through a per-warp ring of that many
     groups in shared memory by ``cp.async`` (``stages - 1`` groups in flight while one is multiplied, no
     registers held for them); 0: loaded into registers (one group ahead with ``prefetch``). ``row_tiles`` (the
-    batch-1 loop only): 16-row tiles per block, 4 warps each, that share one staging of x (``launch``)."""
+    batch-1 loop only): 16-row tiles per block, 4 warps each, that share one staging of x (``launch``).
+    ``early_y`` (the batch-1 loop only): the first pair's second group is loaded before x is staged, and each
+    pair's after the pair before it is multiplied (False: at the top of each step)."""
     from .qgemv import INT4, _ld16_ro
     MS0, MS1 = mh.SIM_MMA_SCRATCH          # simulator-only scratch (1 x 1 on the GPU)
     QS = mh.SIM_RED_SCRATCH
@@ -345,6 +347,9 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
     XSA = XSN + (16 if MXD else 0)         # + a zero block read by the lanes whose B column is not theirs
     WAIT = cp_async_waiter(S - 1 if CPA else 0)
     RT = row_tiles
+    EY = bool(early_y)
+    if EY and not B1:
+        raise ValueError("early_y is an option of the batch-1 register loop")
     if RT != 1 and not B1:
         raise ValueError(f"row_tiles > 1 is a batch-1 option of the register loop, got {RT}")
     if not 1 <= RT <= MAX_ROW_TILES:
@@ -438,6 +443,11 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
             x0w, x1w, x2w, x3w = ld16_at(packed, ptr_add(qa, gx, 64))
             x4w, x5w, x6w, x7w = ld16_at(packed, ptr_add(qb, gx, 64))
             xza, xzb, xua, xub, xea, xeb = _b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gx)
+            if EY:           # the first Y too, before x is staged: two groups in flight from the start
+                gy = min(u32_add(wid, W), ng1)
+                y0w, y1w, y2w, y3w = ld16_at(packed, ptr_add(qa, gy, 64))
+                y4w, y5w, y6w, y7w = ld16_at(packed, ptr_add(qb, gy, 64))
+                yza, yzb, yua, yub, yea, yeb = _b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gy)
             # W and its scales are read before the wait, x after it (launch_pdl: this kernel may start while
             # the one before it, which may be writing x, still runs)
             grid_dependency_wait()
@@ -460,10 +470,11 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                 p = u(0)
                 while p < ti:                  # slots 4p + w (X) and 4p + 4 + w (Y)
                     qy = u32_mad(u32_add(p, 1), W, wid)
-                    gy = min(u32_add(base, qy), ng1)
-                    y0w, y1w, y2w, y3w = ld16_at(packed, ptr_add(qa, gy, 64))
-                    y4w, y5w, y6w, y7w = ld16_at(packed, ptr_add(qb, gy, 64))
-                    yza, yzb, yua, yub, yea, yeb = _b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gy)
+                    if not EY:
+                        gy = min(u32_add(base, qy), ng1)
+                        y0w, y1w, y2w, y3w = ld16_at(packed, ptr_add(qa, gy, 64))
+                        y4w, y5w, y6w, y7w = ld16_at(packed, ptr_add(qb, gy, 64))
+                        yza, yzb, yua, yub, yea, yeb = _b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gy)
                     xo = u32_mad(u32_mad(p, W, wid), xst, xbb)
                     if MXD and not PROBE:
                         ta0, ta2 = _acc_group_mxd(x0w, x1w, x2w, x3w, x4w, x5w, x6w, x7w, xea, xeb,
@@ -486,6 +497,12 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                         acc0, acc1, acc2, acc3 = _acc_group(
                             is_int4, PROBE, y0w, y1w, y2w, y3w, y4w, y5w, y6w, y7w, yza, yzb, yua, yub, yea,
                             yeb, xs, xo, xr0, xr1, xr2, xr3, scratch, acc0, acc1, acc2, acc3)
+                    if EY:       # the next pair's Y (in the next tile past this tile's last pair)
+                        gy = min(u32_add(base, u32_mad(u32_add(p, 1), W, wid)) if p < ti
+                                 else u32_add(nbase, u32_add(wid, W)), ng1)
+                        y0w, y1w, y2w, y3w = ld16_at(packed, ptr_add(qa, gy, 64))
+                        y4w, y5w, y6w, y7w = ld16_at(packed, ptr_add(qb, gy, 64))
+                        yza, yzb, yua, yub, yea, yeb = _b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gy)
                 base = nbase
                 ti = nti
                 tile = u32_add(tile, 1)
@@ -574,7 +591,7 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
 
 
 def launch(kind, packed, scales, zeros, x, out, bias, stream, prefetch=True, l2_ahead=0, probe=False, stages=0,
-           pdl=False, row_tiles=0):
+           pdl=False, row_tiles=0, early_y=False):
     """Shapes checked by ``qgemv._launch``; x, out 2-D; ``zeros`` None for MXFP4; ``l2_ahead`` and ``probe``
     as in ``make`` (the sweep's measurements). ``pdl``: programmatic dependent launch (``launch_pdl``): the
     kernel loads its first groups of W while the kernel before it on the stream finishes, and reads x, bias
@@ -595,8 +612,10 @@ def launch(kind, packed, scales, zeros, x, out, bias, stream, prefetch=True, l2_
     elif row_tiles > 1 and not b1:
         raise ValueError(f"row_tiles > 1 takes batch 1 with prefetch, no cp.async ring and no L2 prefetch "
                          f"(got batch {b}, prefetch {prefetch}, stages {stages}, l2_ahead {l2_ahead})")
+    if early_y and not b1:
+        raise ValueError("early_y takes batch 1 with prefetch, no cp.async ring and no L2 prefetch")
     kern = make(kind, bias is not None, 1 if b == 1 else COLS, bool(prefetch), int(l2_ahead), bool(probe), int(stages),
-                int(row_tiles))
+                int(row_tiles), bool(early_y))
     flat = [a.reshape(a.shape[0] * a.shape[1]) for a in (packed, scales, scales if zeros is None else zeros)]
     args = (*flat, x, x if bias is None else bias, out, n, b, k)
     grid, threads = (-(-n // (ROWS * row_tiles)), -(-b // COLS)), mh.THREADS * row_tiles

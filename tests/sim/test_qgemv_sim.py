@@ -238,16 +238,21 @@ def test_qgemv_mma_pdl_option():
     assert np.all(np.abs(out.copy_to_host().astype(np.int32) - qgemv.reference_mxfp4(*qm, x, None).astype(np.int32)) <= 1)
 
 
-@pytest.mark.parametrize("kind,n,k,row_tiles,bias,outlier", [
-    ("int4", 40, 640, 2, True, False),      # 3 row tiles in blocks of 2: the second block's last tile past N
-    ("mxfp4", 40, 640, 2, False, False),
-    ("mxfp4", 40, 4608, 3, True, True),     # 384 threads (not dividing the 512 chunks of a tile), two x tiles,
-])                                          # the second staged again at its own scale
-def test_qgemv_mma_row_tiles_share_one_staging(kind, n, k, row_tiles, bias, outlier):
+@pytest.mark.parametrize("kind,n,k,row_tiles,bias,outlier,early_y", [
+    ("int4", 40, 640, 2, True, False, False),      # 3 row tiles in blocks of 2: the second block's last tile past N
+    ("mxfp4", 40, 640, 2, False, False, False),
+    ("mxfp4", 40, 4608, 3, True, True, False),     # 384 threads (not dividing the 512 chunks of a tile), two x
+    # tiles, the second staged again at its own scale; early_y: the second groups loaded one step earlier,
+    # across a tile boundary (4608: 36 groups, a second tile of 4) and with an odd count per warp (640: 5)
+    ("int4", 40, 4608, 1, False, False, True),
+    ("mxfp4", 40, 640, 2, True, False, True),
+    ("mxfp4", 40, 4608, 3, False, True, True),
+])
+def test_qgemv_mma_row_tiles_share_one_staging(kind, n, k, row_tiles, bias, outlier, early_y):
     """Batch 1 with several 16-row tiles per block (``QgemvConfig(mma_row_tiles=r)``): 4 r warps stage x once
     for all the block's tiles and each tile's 4 warps sum their rows as before. Same bits as the reference."""
     rng = np.random.default_rng(n * k + row_tiles)
-    cfg = qgemv.QgemvConfig(route="mma", mma_row_tiles=row_tiles)
+    cfg = qgemv.QgemvConfig(route="mma", mma_row_tiles=row_tiles, mma_early_y=early_y)
     if kind == "int4":
         qw, x, bb, out = int4_case(n * k + 1, n, k, 1, bias, np.float16)
         qgemv.qgemv_int4(dev(qw.packed), dev(qw.scales), dev(qw.zeros), dev(x), out,

@@ -1,0 +1,147 @@
+"""What a plain launch of a 31 MB batch-1 GEMV can reach on this device, and the MXFP4 kernel against it:
+1x4096 . [14336, 4096], every figure a graph of 20 launches timed by CUDA events, median of interleaved rounds.
+
+- the copy ceiling (torch ``copy_`` of 256 MiB, read + write counted) and a copy of the GEMV's own byte count;
+- an empty kernel in the GEMV's two launch shapes (128 blocks of 896 threads, 896 of 128): the launch floor;
+- a plain streaming read of the GEMV's byte count (one wave of 128-thread blocks, ``U`` 16-byte loads in flight
+  per thread): what a kernel that only reads these bytes takes;
+- the MXFP4 and int4 ``mma`` kernels, 7 row tiles and 1, with and without ``early_y``: full, and compute side
+  (every block reads the same 16 rows), and the MXFP4 memory side (probe) and neither (compute + probe).
+
+    python scripts/floor_qgemv.py OUT.json
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+from numba import cuda, uint32
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+from test_bench_dense_kernels import N_PER_GRAPH, capture, nb  # noqa: E402
+
+from vmmstream.kernels import mma_helpers as mh, qgemv, qgemv_mma  # noqa: E402
+from vmmstream.kernels.qgemv import _ld16_ro  # noqa: E402
+from vmmstream.kernels.quant import quantize_int4, quantize_mxfp4  # noqa: E402
+
+H, I = 4096, 14336
+ROUNDS = int(os.environ.get("FLOOR_ROUNDS", "7"))
+
+
+@cuda.jit
+def empty(y):
+    if cuda.threadIdx.x == 100000:
+        y[0] = 1
+
+
+def make_reader(U):
+    @cuda.jit
+    def read(buf, n16, y):
+        # buf: uint8 [n16 * 16]; thread i reads 16-byte chunks i, i + T, ... U at a time
+        T = uint32(cuda.gridDim.x * cuda.blockDim.x)
+        i = uint32(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x)
+        acc = uint32(0)
+        while i < uint32(n16):
+            for u in range(U):
+                j = i + uint32(u) * T
+                if j < uint32(n16):
+                    a, b, c, d = _ld16_ro(buf, j * uint32(16))
+                    acc ^= a ^ b ^ c ^ d
+            i += uint32(U) * T
+        if acc == uint32(0x12345678):
+            y[0] = acc
+    return read
+
+
+def main(out):
+    torch.manual_seed(0)
+    sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((I, H)) * 0.02).astype(np.float32)
+    x = nb(torch.randn(1, H, device="cuda", dtype=torch.bfloat16))
+    graphs = {}            # name -> (graph, bytes)
+
+    big = torch.empty(256 << 20, dtype=torch.uint8, device="cuda").random_(0, 255)
+    big2 = torch.empty_like(big)
+    graphs["copy 256 MiB (ceiling)"] = (capture(lambda s: big2.copy_(big), n=5), 2 * big.numel(), 5)
+
+    qm, qi = quantize_mxfp4(w), quantize_int4(w)
+    nbytes = {"mxfp4": sum(a.nbytes for a in qm) + 2 * H + 2 * I, "int4": sum(a.nbytes for a in qi) + 2 * H + 2 * I}
+    src = torch.empty(nbytes["mxfp4"] // 16 * 16, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    graphs["copy of the MXFP4 GEMV's bytes"] = (capture(lambda s: dst.copy_(src)), src.numel(), 20)
+    ybuf = cuda.device_array(4, np.uint32)
+    for grid, thr in ((128, 896), (896, 128)):
+        graphs[f"empty kernel {grid} x {thr}"] = (capture(lambda s, g=grid, t=thr: empty[g, t, s](ybuf)), 0, 20)
+    sb = nb(src)
+    for U in (2, 4, 8):
+        rd = make_reader(U)
+        graphs[f"plain read, {U} x 16 B in flight per thread, {sms * 7} x 128"] = (
+            capture(lambda s, r=rd: r[sms * 7, 128, s](sb, src.numel() // 16, ybuf)), src.numel(), 20)
+
+    outs = {}
+    for kind, qw in (("mxfp4", qm), ("int4", qi)):
+        kid = qgemv.MXFP4 if kind == "mxfp4" else qgemv.INT4
+        parts = [nb(torch.from_numpy(np.ascontiguousarray(a)).cuda()) for a in qw]
+        zr = parts[2] if kind == "int4" else parts[1]
+        flat = [a.reshape(a.shape[0] * a.shape[1]) for a in (parts[0], parts[1], zr)]
+        for rt in (7, 1):
+            for ey in (False, True):
+                modes = ["full", "compute"] if kind == "mxfp4" else ["full"]
+                if kind == "mxfp4" and rt == 1 and not ey:
+                    modes += ["probe", "compute+probe"]
+                for mode in modes:
+                    probe = "probe" in mode
+                    kern = qgemv_mma.make(kid, False, 1, probe=probe, row_tiles=rt, early_y=ey)
+                    y = nb(torch.empty(1, I, device="cuda", dtype=torch.bfloat16))
+                    args = (*flat, x, x, y, 16 if "compute" in mode else I, 1, H)
+                    grid = (-(-I // (16 * rt)), 1)
+
+                    def fn(s, kern=kern, args=args, grid=grid, rt=rt):
+                        kern[grid, mh.THREADS * rt, s](*args)
+                    name = f"{kind} rt {rt}{' early_y' if ey else ''} {mode}"
+                    graphs[name] = (capture(fn), nbytes[kind], 20)
+                    if mode == "full":
+                        outs[name] = y
+                    print("captured", name, flush=True)
+    # the same bits with and without early_y
+    same = {}
+    for name, y in outs.items():
+        if "early_y" in name:
+            base = outs[name.replace(" early_y", "")]
+            same[name] = bool(np.array_equal(y.copy_to_host(), base.copy_to_host()))
+    print("early_y bit-equal:", same, flush=True)
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = {k: [] for k in graphs}
+    for g, _, _ in graphs.values():
+        g.replay()
+    torch.cuda.synchronize()
+    for _ in range(ROUNDS):
+        for k, (g, _, n) in graphs.items():
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            times[k].append(start.elapsed_time(end) * 1e-3 / n)
+    ceil = 2 * big.numel() / float(np.median(times["copy 256 MiB (ceiling)"])) / 1e9
+    rows = []
+    dev = torch.cuda.get_device_name()
+    print(f"\n{dev}, {sms} SMs; copy ceiling {ceil:.0f} GB/s; {ROUNDS} rounds")
+    for k, (_, b, _) in graphs.items():
+        t = float(np.median(times[k]))
+        r = dict(name=k, us=t * 1e6, us_min=min(times[k]) * 1e6, us_max=max(times[k]) * 1e6, bytes=b,
+                 gbps=b / t / 1e9 if b else None, of_ceiling=b / t / 1e9 / ceil if b else None)
+        rows.append(r)
+        extra = f"{r['gbps']:7.0f} GB/s  {r['of_ceiling']:.3f}" if b else ""
+        print(f"{k:60s} {t * 1e6:7.2f} us  [{r['us_min']:.2f}-{r['us_max']:.2f}]  {extra}")
+    with open(out, "w") as f:
+        json.dump(dict(device=dev, sms=sms, ceiling_gbps=ceil, rounds=ROUNDS, early_y_bit_equal=same, rows=rows),
+                  f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
