@@ -47,6 +47,9 @@ from .workspace import check_view
 
 SIM = bool(config.ENABLE_CUDASIM)
 FULL_MASK = 0xFFFFFFFF
+# ``alignment`` of a shared array read or written 16 bytes at a time (``ld4w``, ``st4w``, ``cp_async16``): by
+# default a uint32 array is aligned to 4 bytes only. The simulator's ``shared.array`` takes no alignment.
+SHARED_ALIGN16 = None if SIM else 16
 
 
 # ----------------------------------------------------------------------------------------------- host

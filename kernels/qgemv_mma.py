@@ -53,7 +53,7 @@ from numba import cuda, float32, int32, int64, uint32
 
 from . import mma_helpers as mh
 from .dtypes import dev_bf16_to_f32, dev_f32_to_bf16
-from .launch import cp_async16, cp_async_commit, cp_async_waiter, grid_dependency_wait, grid_dependents_launch, \
+from .launch import SHARED_ALIGN16, cp_async16, cp_async_commit, cp_async_waiter, grid_dependency_wait, grid_dependents_launch, \
     launch_pdl, ld16_at, ld1b_at, ld4w, ld8_ro, lane_ptr, \
     prefetch_l2, ptr_add, st4w, u32_add, u32_as_f32, u32_mad, u32_mul_hi, u32_pin, warp_any
 from .workspace import NONE
@@ -397,11 +397,11 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
         xr2 = u(4) * ((t + u(2)) & u(3))
         xr3 = u(4) * ((t + u(3)) & u(3))
         scratch = cuda.shared.array((MSR, MS1), np.float64)
-        xs = cuda.shared.array(XSA, np.uint32)
+        xs = cuda.shared.array(XSA, np.uint32, alignment=SHARED_ALIGN16)
         red = cuda.shared.array((RW, 32, 4), np.float32)
         qsum = cuda.shared.array(QSR, np.float32)
         mx = cuda.shared.array(2, np.int32)    # MXD: the x tile's scale source (``_tile_ef``), two slots alternating
-        ring = cuda.shared.array(RING, np.uint32)
+        ring = cuda.shared.array(RING, np.uint32, alignment=SHARED_ALIGN16)
         slot = (wid * u(S) * u(2)) * u(128) + lane * u(4)   # + (stage * 2 + row half) * 128
         acc0 = acc1 = acc2 = acc3 = float32(0.0)
         # the lane's scale rows as views from group 0: a load's 64-bit offset is one wide mad of the group index

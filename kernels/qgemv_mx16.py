@@ -45,7 +45,7 @@ from numba import cuda, float32, int32, uint32
 
 from . import mma_helpers as mh
 from .dtypes import dev_bf16_to_f32, dev_f32_to_bf16, dev_mx_nibbles
-from .launch import ld1w_ro, ld4w, ld8_ro, st4w, u32_add, u32_as_f32, u32_mad
+from .launch import SHARED_ALIGN16, ld1w_ro, ld4w, ld8_ro, st4w, u32_add, u32_as_f32, u32_mad
 from .workspace import NONE
 
 CAPTURE_SAFE = True      # no allocation, no synchronize, device arrays only
@@ -108,7 +108,7 @@ def make(has_bias: bool, probe: bool = False):
         wb0 = u32_mad(rb, kw, t)
         sa0, sb0 = u32_mad(ra, ng, 0), u32_mad(rb, ng, 0)   # scale words: one per row and group
         scratch = cuda.shared.array((MS0, MS1), np.float64)
-        xs = cuda.shared.array(XS_WORDS, np.uint32)
+        xs = cuda.shared.array(XS_WORDS, np.uint32, alignment=SHARED_ALIGN16)
         red = cuda.shared.array((W, 32, 2), np.float32)
         mx = cuda.shared.array(2, np.int32)     # the tile's largest |x| (bf16 bits), two slots alternating
         xw = cuda.local.array(16, np.uint32)   # a thread's 4 chunks of x while the tile's largest is found
