@@ -49,6 +49,59 @@ def _auto(n: int, b: int, cfg: GemvConfig):
     return check_threads(cfg.threads), rpb, nb
 
 
+@cuda.jit(device=True, inline="always")
+def stage8_f32(xf, b, w0, w1, w2, w3):
+    """Eight bf16 values (four packed words) into ``xf[b, 0..8)`` as fp32."""
+    xf[b, 0] = lo_f32(w0)
+    xf[b, 1] = hi_f32(w0)
+    xf[b, 2] = lo_f32(w1)
+    xf[b, 3] = hi_f32(w1)
+    xf[b, 4] = lo_f32(w2)
+    xf[b, 5] = hi_f32(w2)
+    xf[b, 6] = lo_f32(w3)
+    xf[b, 7] = hi_f32(w3)
+
+
+@cuda.jit(device=True, inline="always")
+def x8_f32(w0, w1, w2, w3):
+    """Eight bf16 values (four packed words) as a tuple of fp32."""
+    return lo_f32(w0), hi_f32(w0), lo_f32(w1), hi_f32(w1), lo_f32(w2), hi_f32(w2), lo_f32(w3), hi_f32(w3)
+
+
+@cuda.jit(device=True, inline="always")
+def dot8(a, xf, b):
+    """The dot product of ``x8_f32``'s tuple ``a`` with ``xf[b, 0..8)``, summed left to right."""
+    return (a[0] * xf[b, 0] + a[1] * xf[b, 1] + a[2] * xf[b, 2] + a[3] * xf[b, 3]
+            + a[4] * xf[b, 4] + a[5] * xf[b, 5] + a[6] * xf[b, 6] + a[7] * xf[b, 7])
+
+
+@functools.lru_cache(maxsize=None)
+def warp_partials(na: int, nw: int):
+    """The block reduction of ``na`` accumulators per thread over ``nw`` warps, as IR-inlined device functions:
+    ``stash(acc, scratch)`` (warp sums into ``scratch[warp * na + j]``, then a barrier) and ``total(scratch, j)``
+    (the block total of accumulator ``j``, after ``stash``)."""
+
+    @cuda.jit(device=True, inline="always")
+    def stash(acc, scratch):
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        wid = tid // 32
+        for j in range(na):
+            s = warp_sum(acc[j])
+            if lane == 0:
+                scratch[wid * na + j] = s
+        cuda.syncthreads()
+
+    @cuda.jit(device=True, inline="always")
+    def total(scratch, j):
+        t = scratch[j]
+        for q in range(1, nw):
+            t += scratch[q * na + j]
+        return t
+
+    return stash, total
+
+
 @functools.lru_cache(maxsize=None)
 def _device(vec: int, nb: int, rpb: int, threads: int, pair: bool):
     """The GEMV machinery shared by every kernel here, as IR-inlined device functions:
@@ -74,41 +127,17 @@ def _device(vec: int, nb: int, rpb: int, threads: int, pair: bool):
                 for b in range(nb):
                     # rows past the end are clamped: loads stay unconditional, results are dropped
                     x0, x1, x2, x3 = ld8_ro(x, (min(b0 + b, n_batch - 1), c))
-                    xf[b, 0] = lo_f32(x0)
-                    xf[b, 1] = hi_f32(x0)
-                    xf[b, 2] = lo_f32(x1)
-                    xf[b, 3] = hi_f32(x1)
-                    xf[b, 4] = lo_f32(x2)
-                    xf[b, 5] = hi_f32(x2)
-                    xf[b, 6] = lo_f32(x3)
-                    xf[b, 7] = hi_f32(x3)
+                    stage8_f32(xf, b, x0, x1, x2, x3)
                 for r in range(rpb):
                     w0, w1, w2, w3 = ld8_ro(wa, (min(row0 + r, n_rows - 1), c))
-                    a0 = lo_f32(w0)
-                    a1 = hi_f32(w0)
-                    a2 = lo_f32(w1)
-                    a3 = hi_f32(w1)
-                    a4 = lo_f32(w2)
-                    a5 = hi_f32(w2)
-                    a6 = lo_f32(w3)
-                    a7 = hi_f32(w3)
+                    a = x8_f32(w0, w1, w2, w3)
                     for b in range(nb):
-                        acc[r * nb + b] += (a0 * xf[b, 0] + a1 * xf[b, 1] + a2 * xf[b, 2] + a3 * xf[b, 3]
-                                            + a4 * xf[b, 4] + a5 * xf[b, 5] + a6 * xf[b, 6] + a7 * xf[b, 7])
+                        acc[r * nb + b] += dot8(a, xf, b)
                     if pair:
                         v0, v1, v2, v3 = ld8_ro(wb, (min(row0 + r, n_rows - 1), c))
-                        c0 = lo_f32(v0)
-                        c1 = hi_f32(v0)
-                        c2 = lo_f32(v1)
-                        c3 = hi_f32(v1)
-                        c4 = lo_f32(v2)
-                        c5 = hi_f32(v2)
-                        c6 = lo_f32(v3)
-                        c7 = hi_f32(v3)
+                        a = x8_f32(v0, v1, v2, v3)
                         for b in range(nb):
-                            acc[rn + r * nb + b] += (c0 * xf[b, 0] + c1 * xf[b, 1] + c2 * xf[b, 2]
-                                                     + c3 * xf[b, 3] + c4 * xf[b, 4] + c5 * xf[b, 5]
-                                                     + c6 * xf[b, 6] + c7 * xf[b, 7])
+                            acc[rn + r * nb + b] += dot8(a, xf, b)
         else:
             xs = cuda.local.array(nb, np.float32)
             for c in range(tid, k, threads):
@@ -123,23 +152,7 @@ def _device(vec: int, nb: int, rpb: int, threads: int, pair: bool):
                         for b in range(nb):
                             acc[rn + r * nb + b] += e * xs[b]
 
-    @cuda.jit(device=True, inline="always")
-    def stash(acc, scratch):
-        tid = cuda.threadIdx.x
-        lane = tid % 32
-        wid = tid // 32
-        for j in range(na):
-            s = warp_sum(acc[j])
-            if lane == 0:
-                scratch[wid * na + j] = s
-        cuda.syncthreads()
-
-    @cuda.jit(device=True, inline="always")
-    def total(scratch, j):
-        t = scratch[j]
-        for q in range(1, nw):
-            t += scratch[q * na + j]
-        return t
+    stash, total = warp_partials(na, nw)
 
     return dot_rows, stash, total
 

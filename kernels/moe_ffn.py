@@ -28,9 +28,10 @@ import numpy as np
 from numba import cuda
 
 from .dtypes import dev_bf16_to_f32, dev_f32_to_bf16, dev_mx_nibbles
-from .launch import SIM, as_stream, cdiv, check_threads, check_workspace, data_ptr, hi_f32, ld8_ro, lo_f32, \
-    vec8_ok, warp_sum
+from .gemv import dot8, stage8_f32, warp_partials, x8_f32
+from .launch import SIM, as_stream, cdiv, check_threads, check_workspace, data_ptr, ld8_ro, vec8_ok, warp_sum
 from .moe_route import MAX_EXPERTS, _layout, h_view, routing_views
+from .qgemv import stage8_cols
 from .quant import INT4_GROUP, MX_BLOCK, Int4Weights, MXFP4Weights, quantize_int4, quantize_mxfp4
 
 INT4, MXFP4 = 0, 1
@@ -79,60 +80,20 @@ def _ffn_device(nb: int, rpb: int, threads: int, pair: bool):
         for c in range(tid * 8, k, threads * 8):
             for b in range(nb):
                 x0, x1, x2, x3 = ld8_ro(x, (xr[b], c))
-                xf[b, 0] = lo_f32(x0)
-                xf[b, 1] = hi_f32(x0)
-                xf[b, 2] = lo_f32(x1)
-                xf[b, 3] = hi_f32(x1)
-                xf[b, 4] = lo_f32(x2)
-                xf[b, 5] = hi_f32(x2)
-                xf[b, 6] = lo_f32(x3)
-                xf[b, 7] = hi_f32(x3)
+                stage8_f32(xf, b, x0, x1, x2, x3)
             for r in range(rpb):
                 row = min(row0 + r, n_rows - 1)   # rows past the end: loads stay valid, results dropped
                 w0, w1, w2, w3 = ld8_ro(wa, (e, row, c))
-                a0 = lo_f32(w0)
-                a1 = hi_f32(w0)
-                a2 = lo_f32(w1)
-                a3 = hi_f32(w1)
-                a4 = lo_f32(w2)
-                a5 = hi_f32(w2)
-                a6 = lo_f32(w3)
-                a7 = hi_f32(w3)
+                a = x8_f32(w0, w1, w2, w3)
                 for b in range(nb):
-                    acc[r * nb + b] += (a0 * xf[b, 0] + a1 * xf[b, 1] + a2 * xf[b, 2] + a3 * xf[b, 3]
-                                        + a4 * xf[b, 4] + a5 * xf[b, 5] + a6 * xf[b, 6] + a7 * xf[b, 7])
+                    acc[r * nb + b] += dot8(a, xf, b)
                 if pair:
                     v0, v1, v2, v3 = ld8_ro(wb, (e, row, c))
-                    c0 = lo_f32(v0)
-                    c1 = hi_f32(v0)
-                    c2 = lo_f32(v1)
-                    c3 = hi_f32(v1)
-                    c4 = lo_f32(v2)
-                    c5 = hi_f32(v2)
-                    c6 = lo_f32(v3)
-                    c7 = hi_f32(v3)
+                    a = x8_f32(v0, v1, v2, v3)
                     for b in range(nb):
-                        acc[rn + r * nb + b] += (c0 * xf[b, 0] + c1 * xf[b, 1] + c2 * xf[b, 2] + c3 * xf[b, 3]
-                                                 + c4 * xf[b, 4] + c5 * xf[b, 5] + c6 * xf[b, 6] + c7 * xf[b, 7])
+                        acc[rn + r * nb + b] += dot8(a, xf, b)
 
-    @cuda.jit(device=True, inline="always")
-    def stash(acc, scratch):
-        tid = cuda.threadIdx.x
-        lane = tid % 32
-        wid = tid // 32
-        for j in range(na):
-            s = warp_sum(acc[j])
-            if lane == 0:
-                scratch[wid * na + j] = s
-        cuda.syncthreads()
-
-    @cuda.jit(device=True, inline="always")
-    def total(scratch, j):
-        t = scratch[j]
-        for q in range(1, nw):
-            t += scratch[q * na + j]
-        return t
-
+    stash, total = warp_partials(na, nw)
     return dot_rows, stash, total
 
 
@@ -302,14 +263,7 @@ def _make_q(kind: int, pair: bool, nb: int, rpw: int, threads: int, kt: int, out
                         x0, x1, x2, x3 = ld8_ro(x, (xr[b], t0 + kk))
                         c = kk // 32
                         i = kk % 32
-                        xs[b, i, c] = lo_f32(x0)
-                        xs[b, i + 1, c] = hi_f32(x0)
-                        xs[b, i + 2, c] = lo_f32(x1)
-                        xs[b, i + 3, c] = hi_f32(x1)
-                        xs[b, i + 4, c] = lo_f32(x2)
-                        xs[b, i + 5, c] = hi_f32(x2)
-                        xs[b, i + 6, c] = lo_f32(x3)
-                        xs[b, i + 7, c] = hi_f32(x3)
+                        stage8_cols(xs, b, i, c, x0, x1, x2, x3)
                 cuda.syncthreads()
                 for c in range(lane, tlen // 32, 32):
                     gc = t0 // 32 + c

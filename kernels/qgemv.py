@@ -87,6 +87,19 @@ else:
     _ld16_ro = ld8_ro   # the intrinsic loads 16 bytes at the element's address, whatever the dtype
 
 
+@cuda.jit(device=True, inline="always")
+def stage8_cols(xs, b, i, c, w0, w1, w2, w3):
+    """Eight bf16 values (four packed words) of x row b, chunk c, into ``xs[b, i .. i + 8, c]`` as fp32."""
+    xs[b, i, c] = lo_f32(w0)
+    xs[b, i + 1, c] = hi_f32(w0)
+    xs[b, i + 2, c] = lo_f32(w1)
+    xs[b, i + 3, c] = hi_f32(w1)
+    xs[b, i + 4, c] = lo_f32(w2)
+    xs[b, i + 5, c] = hi_f32(w2)
+    xs[b, i + 6, c] = lo_f32(w3)
+    xs[b, i + 7, c] = hi_f32(w3)
+
+
 @functools.lru_cache(maxsize=None)
 def _make(kind: int, nb: int, rpw: int, threads: int, has_bias: bool, kt: int):
     nw = threads // 32
@@ -131,14 +144,7 @@ def _make(kind: int, nb: int, rpw: int, threads: int, has_bias: bool, kt: int):
                     x0, x1, x2, x3 = ld8_ro(x, (min(b0 + b, n_batch - 1), t0 + kk))
                     c = kk // 32
                     i = kk % 32
-                    xs[b, i, c] = lo_f32(x0)
-                    xs[b, i + 1, c] = hi_f32(x0)
-                    xs[b, i + 2, c] = lo_f32(x1)
-                    xs[b, i + 3, c] = hi_f32(x1)
-                    xs[b, i + 4, c] = lo_f32(x2)
-                    xs[b, i + 5, c] = hi_f32(x2)
-                    xs[b, i + 6, c] = lo_f32(x3)
-                    xs[b, i + 7, c] = hi_f32(x3)
+                    stage8_cols(xs, b, i, c, x0, x1, x2, x3)
             cuda.syncthreads()
             for c in range(lane, tlen // 32, 32):
                 gc = t0 // 32 + c                   # chunk index along the row
