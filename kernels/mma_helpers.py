@@ -29,14 +29,15 @@ from .dtypes import dev_f32_to_bf16
 
 
 
-def kernel(launch_bounds, max_registers=None):
-    """``cuda.jit`` for a kernel with launch bounds and optionally a register cap per thread (the simulator's
-    ``jit`` takes neither)."""
+def kernel(launch_bounds, max_registers=None, carveout=None):
+    """``cuda.jit`` for a kernel with launch bounds, optionally a register cap per thread and a shared memory
+    carveout preference (``"maxshared"``, a percentage; the simulator's ``jit`` takes none of them)."""
     if config.ENABLE_CUDASIM:
         return cuda.jit
-    if max_registers is None:
-        return cuda.jit(launch_bounds=launch_bounds)
-    return cuda.jit(launch_bounds=launch_bounds, max_registers=max_registers)
+    kw = {} if max_registers is None else {"max_registers": max_registers}
+    if carveout is not None:
+        kw["shared_memory_carveout"] = carveout
+    return cuda.jit(launch_bounds=launch_bounds, **kw)
 
 
 @cuda.jit(device=True, inline="always")

@@ -314,7 +314,7 @@ def _acc_group(is_int4, probe, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, za, zb, u
 
 @functools.lru_cache(maxsize=None)
 def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ahead: int = 0, probe: bool = False,
-         stages: int = 0, row_tiles: int = 1, early_y: bool = False):
+         stages: int = 0, row_tiles: int = 1, early_y: bool = False, carveout=None):
     """``ncols``: columns of x staged per block, 1 (B = 1) or 8; ``prefetch``: load the next group's
     chunks before multiplying the current one (False: at the top of each iteration, for comparison);
     ``l2_ahead``: also ``prefetch.global.L2`` the chunks of the group that many iterations ahead (0: none);
@@ -324,7 +324,8 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
     registers held for them); 0: loaded into registers (one group ahead with ``prefetch``). ``row_tiles`` (the
     batch-1 loop only): 16-row tiles per block, 4 warps each, that share one staging of x (``launch``).
     ``early_y`` (the batch-1 loop only): the first pair's second group is loaded before x is staged, and each
-    pair's after the pair before it is multiplied (False: at the top of each step)."""
+    pair's after the pair before it is multiplied (False: at the top of each step). ``carveout``: the shared
+    memory carveout preference (``cuda.jit``'s ``shared_memory_carveout``; None: the driver's default)."""
     from .qgemv import INT4, _ld16_ro
     MS0, MS1 = mh.SIM_MMA_SCRATCH          # simulator-only scratch (1 x 1 on the GPU)
     QS = mh.SIM_RED_SCRATCH
@@ -362,7 +363,7 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
 
     # launch bounds of 7 blocks of 128 threads per SM (72 registers); blocks of several row tiles take that
     # register cap explicitly (896 threads in 1 to 7 blocks)
-    @mh.kernel((NT, max(1, MIN_BLOCKS // RT)), max_registers=MAX_REGS if RT > 1 else None)
+    @mh.kernel((NT, max(1, MIN_BLOCKS // RT)), max_registers=MAX_REGS if RT > 1 else None, carveout=carveout)
     def qgemv_q4_mma(packed, scales, zeros, x, bias, y, n_rows, n_batch, k):
         # packed [N * K/2] u8 (rows of W, flattened); int4: scales, zeros [N * K/128] f16|f32; mxfp4: scales
         # [N * K/32] u8 (E8M0), zeros ignored; x [B, K] bf16; bias [N] bf16; y [B, N] bf16.

@@ -21,9 +21,10 @@ import torch
 from numba import cuda, uint32
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-from test_bench_dense_kernels import N_PER_GRAPH, capture, nb  # noqa: E402
+from test_bench_dense_kernels import capture, nb  # noqa: E402
 
 from vmmstream.kernels import mma_helpers as mh, qgemv, qgemv_mma  # noqa: E402
+from vmmstream.kernels.dtypes import bf16_to_f32  # noqa: E402
 from vmmstream.kernels.qgemv import _ld16_ro  # noqa: E402
 from vmmstream.kernels.quant import quantize_int4, quantize_mxfp4  # noqa: E402
 
@@ -82,7 +83,7 @@ def main(out):
         graphs[f"plain read, {U} x 16 B in flight per thread, {sms * 7} x 128"] = (
             capture(lambda s, r=rd: r[sms * 7, 128, s](sb, src.numel() // 16, ybuf)), src.numel(), 20)
 
-    outs = {}
+    outs, info, ring_outs = {}, {}, {}
     for kind, qw in (("mxfp4", qm), ("int4", qi)):
         kid = qgemv.MXFP4 if kind == "mxfp4" else qgemv.INT4
         parts = [nb(torch.from_numpy(np.ascontiguousarray(a)).cuda()) for a in qw]
@@ -104,15 +105,34 @@ def main(out):
                         kern[grid, mh.THREADS * rt, s](*args)
                     name = f"{kind} rt {rt}{' early_y' if ey else ''} {mode}"
                     graphs[name] = (capture(fn), nbytes[kind], 20)
+                    info[name] = dict(regs=kern.get_regs_per_thread(), smem=kern.get_shared_mem_per_block())
                     if mode == "full":
                         outs[name] = y
                     print("captured", name, flush=True)
+        if kind == "mxfp4":   # W through a per-warp cp.async ring (the general loop), default and max carveout
+            for st in (3, 5):
+                for cv in (None, "maxshared"):
+                    kern = qgemv_mma.make(kid, False, 1, stages=st, carveout=cv)
+                    y = nb(torch.empty(1, I, device="cuda", dtype=torch.bfloat16))
+                    args = (*flat, x, x, y, I, 1, H)
+
+                    def fn(s, kern=kern, args=args):
+                        kern[(I // 16, 1), mh.THREADS, s](*args)
+                    name = f"mxfp4 cp.async ring {st}, carveout {cv or 'default'} full"
+                    graphs[name] = (capture(fn), nbytes[kind], 20)
+                    info[name] = dict(regs=kern.get_regs_per_thread(), smem=kern.get_shared_mem_per_block())
+                    ring_outs[name] = y
+                    print("captured", name, info[name], flush=True)
     # the same bits with and without early_y
     same = {}
     for name, y in outs.items():
         if "early_y" in name:
             base = outs[name.replace(" early_y", "")]
             same[name] = bool(np.array_equal(y.copy_to_host(), base.copy_to_host()))
+    ref = outs["mxfp4 rt 1 full"].copy_to_host()
+    for name, y in ring_outs.items():   # the general loop sums in another order: near, not the same bits
+        d = np.abs(bf16_to_f32(y.copy_to_host()) - bf16_to_f32(ref)).max()
+        same[name + " max abs diff vs rt 1"] = float(d)
     print("early_y bit-equal:", same, flush=True)
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -133,13 +153,13 @@ def main(out):
     print(f"\n{dev}, {sms} SMs; copy ceiling {ceil:.0f} GB/s; {ROUNDS} rounds")
     for k, (_, b, _) in graphs.items():
         t = float(np.median(times[k]))
-        r = dict(name=k, us=t * 1e6, us_min=min(times[k]) * 1e6, us_max=max(times[k]) * 1e6, bytes=b,
+        r = dict(name=k, **info.get(k, {}), us=t * 1e6, us_min=min(times[k]) * 1e6, us_max=max(times[k]) * 1e6, bytes=b,
                  gbps=b / t / 1e9 if b else None, of_ceiling=b / t / 1e9 / ceil if b else None)
         rows.append(r)
         extra = f"{r['gbps']:7.0f} GB/s  {r['of_ceiling']:.3f}" if b else ""
         print(f"{k:60s} {t * 1e6:7.2f} us  [{r['us_min']:.2f}-{r['us_max']:.2f}]  {extra}")
     with open(out, "w") as f:
-        json.dump(dict(device=dev, sms=sms, ceiling_gbps=ceil, rounds=ROUNDS, early_y_bit_equal=same, rows=rows),
+        json.dump(dict(device=dev, sms=sms, ceiling_gbps=ceil, rounds=ROUNDS, checks=same, rows=rows),
                   f, indent=1)
 
 
