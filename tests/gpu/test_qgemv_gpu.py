@@ -156,6 +156,25 @@ def test_qgemv_mma_route(stream, rng, kind, n, k, b, bias, prefetch, l2, stages,
         assert_close(get(out, stream), dequantize_mxfp4(*qw), x, bb, qgemv.reference_mxfp4(*qw, x, bb))
 
 
+@pytest.mark.parametrize("kind", ["int4", "mxfp4"])
+@pytest.mark.parametrize("n,k,bias,row_tiles", [(I, H, False, 0), (H, I, True, 1)])
+def test_qgemv_mma_early_y_same_bits(stream, rng, kind, n, k, bias, row_tiles):
+    """Batch 1 with ``mma_early_y`` (each pair's second group loaded one step earlier): the same products in the
+    same order, so the same bits as the default launch, at x in one tile and in four."""
+    from numba import cuda
+    x = to_dev(f32_to_bf16(rng.standard_normal((1, k), dtype=np.float32)), stream)
+    bb = to_dev(f32_to_bf16(rng.standard_normal(n, dtype=np.float32)), stream) if bias else None
+    parts = [to_dev(a, stream) for a in _quantized(kind, n, k)]
+    fn = qgemv.qgemv_int4 if kind == "int4" else qgemv.qgemv_mxfp4
+    got = []
+    for early in (False, True):
+        out = cuda.device_array((1, n), np.uint16, stream=stream)
+        fn(*parts, x, out, bias=bb, stream=stream,
+           config=qgemv.QgemvConfig(route="mma", mma_row_tiles=row_tiles, mma_early_y=early))
+        got.append(get(out, stream))
+    assert np.array_equal(got[0], got[1])
+
+
 @pytest.mark.parametrize("n,k,bias", [(I, H, False), (H, I, True)])
 def test_qgemv_mx16_route(stream, rng, n, k, bias):
     """MXFP4 at batch 1 on f16 tensor cores (kernels/qgemv_mx16.py) at Llama-8B MLP shapes: x staged in one
