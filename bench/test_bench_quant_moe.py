@@ -77,7 +77,13 @@ def test_bench_qgemv_mxfp4_bandwidth_pdl(benchmark, copy_ceiling):
     _mxfp4_bandwidth(benchmark, copy_ceiling, "mma", True, 0, 0, pdl=True)
 
 
-def _mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages, row_tiles, pdl):
+def test_bench_qgemv_mxfp4_bandwidth_early_y(benchmark, copy_ceiling):
+    """The mma route's batch-1 loop with ``mma_early_y``: two groups of W in flight from the start (a plain
+    launch, comparable with the single-launch figures above)."""
+    _mxfp4_bandwidth(benchmark, copy_ceiling, "mma", True, 0, 0, pdl=False, early_y=True)
+
+
+def _mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages, row_tiles, pdl, early_y=False):
     torch = _torch()
     from vmmstream.kernels import qgemv
     _, qw = _quantized("mxfp4")
@@ -85,10 +91,10 @@ def _mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages, row_tiles
     out = torch.empty(1, I, device="cuda", dtype=torch.bfloat16)
     dparts = [nb(torch.from_numpy(np.ascontiguousarray(a)).cuda()) for a in qw]
     cfg = qgemv.QgemvConfig(route=route, mma_prefetch=prefetch, mma_stages=stages, mma_row_tiles=row_tiles,
-                            pdl=pdl)
+                            pdl=pdl, mma_early_y=early_y)
     t = device_seconds(capture(lambda s: qgemv.qgemv_mxfp4(*dparts, nb(x), nb(out), stream=s, config=cfg)), benchmark)
     benchmark.extra_info.update(route=route, mma_prefetch=prefetch, mma_stages=stages, mma_row_tiles=row_tiles,
-                                pdl=pdl)
+                                pdl=pdl, mma_early_y=early_y)
     nbytes = sum(a.nbytes for a in qw) + 2 * H + 2 * I
     ceil = copy_ceiling["torch_gbps"]
     # context, not the bar: a device copy of this GEMV's byte count (read + write counted, as the ceiling)
@@ -97,7 +103,8 @@ def _mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages, row_tiles
     t_copy = device_seconds(capture(lambda s: dst.copy_(src)))
     info = record(benchmark, seconds=t, nbytes=nbytes, ceiling_gbps=ceil, ratio=nbytes / t / 1e9 / ceil,
                   bar=MX_BAR, op="ge", same_bytes_copy_GBps=nbytes / t_copy / 1e9, same_bytes_copy_us=t_copy * 1e6)
-    print(f"\nqgemv mxfp4 ({route}, row tiles {row_tiles or 'auto'}{', pdl' if pdl else ''}) "
+    print(f"\nqgemv mxfp4 ({route}, row tiles {row_tiles or 'auto'}{', pdl' if pdl else ''}"
+          f"{', early_y' if early_y else ''}) "
           f"{info['device_us']:.2f} us, {info['GB/s']:.0f} GB/s = {info['ratio']:.3f} of copy (same bytes: "
           f"copy {t_copy * 1e6:.2f} us)")
 
