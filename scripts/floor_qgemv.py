@@ -65,7 +65,8 @@ def main(out):
     rng = np.random.default_rng(0)
     w = (rng.standard_normal((I, H)) * 0.02).astype(np.float32)
     x = nb(torch.randn(1, H, device="cuda", dtype=torch.bfloat16))
-    graphs = {}            # name -> (graph, bytes)
+    graphs = {}            # name -> (graph, bytes, launches)
+    keep = []              # every captured launch's arguments: a graph holds pointers, not the arrays
 
     big = torch.empty(256 << 20, dtype=torch.uint8, device="cuda").random_(0, 255)
     big2 = torch.empty_like(big)
@@ -109,6 +110,7 @@ def main(out):
                         kern[grid, mh.THREADS * rt, s](*args)
                     name = f"{kind} rt {rt}{' early_y' if ey else ''} {mode}"
                     graphs[name] = (capture(fn), nbytes[kind], 20)
+                    keep.append(args)
                     info[name] = dict(regs=kern.get_regs_per_thread(), smem=kern.get_shared_mem_per_block())
                     if mode == "full":
                         outs[name] = y
@@ -124,6 +126,7 @@ def main(out):
                         kern[(I // 16, 1), mh.THREADS, s](*args)
                     name = f"mxfp4 cp.async ring {st}, carveout {cv or 'default'} full"
                     graphs[name] = (capture(fn), nbytes[kind], 20)
+                    keep.append(args)
                     info[name] = dict(regs=kern.get_regs_per_thread(), smem=kern.get_shared_mem_per_block())
                     ring_outs[name] = y
                     print("captured", name, info[name], flush=True)
