@@ -59,6 +59,13 @@ def make_reader(U):
     return read
 
 
+def _resources(kern):
+    """Registers per thread and static shared memory per block of a kernel compiled for one signature."""
+    def one(v):
+        return next(iter(v.values())) if isinstance(v, dict) else v
+    return dict(regs=int(one(kern.get_regs_per_thread())), smem=int(one(kern.get_shared_mem_per_block())))
+
+
 def main(out):
     torch.manual_seed(0)
     sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
@@ -111,7 +118,7 @@ def main(out):
                     name = f"{kind} rt {rt}{' early_y' if ey else ''} {mode}"
                     graphs[name] = (capture(fn), nbytes[kind], 20)
                     keep.append(args)
-                    info[name] = dict(regs=kern.get_regs_per_thread(), smem=kern.get_shared_mem_per_block())
+                    info[name] = _resources(kern)
                     if mode == "full":
                         outs[name] = y
                     print("captured", name, flush=True)
@@ -127,7 +134,7 @@ def main(out):
                     name = f"mxfp4 cp.async ring {st}, carveout {cv or 'default'} full"
                     graphs[name] = (capture(fn), nbytes[kind], 20)
                     keep.append(args)
-                    info[name] = dict(regs=kern.get_regs_per_thread(), smem=kern.get_shared_mem_per_block())
+                    info[name] = _resources(kern)
                     ring_outs[name] = y
                     print("captured", name, info[name], flush=True)
     # the same bits with and without early_y
