@@ -42,6 +42,7 @@ the instructions per value low:
 Contract beyond the scalar route's: K a multiple of 128; int4 zero points integers in [0, 15]
 (``quantize_int4`` makes them so; a fractional zero would be rounded to bf16). Capture-safe; no workspace.
 With ``pdl`` (opt-in) it reads W before waiting for the kernel launched before it, x after.
+The device steps (decode, a group's mma steps, x staging, group constants) are in ``qgemv_mma_steps.py``.
 """
 
 from __future__ import annotations
@@ -53,263 +54,19 @@ from numba import cuda, float32, int32, int64, uint32
 
 from . import mma_helpers as mh
 from .dtypes import dev_bf16_to_f32, dev_f32_to_bf16
-from .launch import SHARED_ALIGN16, cp_async16, cp_async_commit, cp_async_waiter, grid_dependency_wait, grid_dependents_launch, \
-    launch_pdl, ld16_at, ld1b_at, ld4w, ld8_ro, lane_ptr, \
-    prefetch_l2, ptr_add, st4w, u32_add, u32_as_f32, u32_mad, u32_mul_hi, u32_pin, warp_any
+from .launch import SHARED_ALIGN16, cp_async16, cp_async_commit, cp_async_waiter, grid_dependency_wait, \
+    grid_dependents_launch, launch_pdl, ld16_at, ld4w, lane_ptr, prefetch_l2, ptr_add, u32_add, u32_mad, u32_pin
+from .qgemv_mma_steps import X_EF, XS_WORDS, acc_group, acc_group_mxd, b1_scales, group_scales, stage_x, stage_x_mx, \
+    tile_fac
 from .workspace import NONE
 
 CAPTURE_SAFE = True      # no allocation, no synchronize, device arrays only
 W = mh.WARPS             # warps per block (the simulator's mma scratch is sized for it)
 ROWS, COLS = 16, 8       # rows of W and columns of x per block
 GROUP = 128
-XS_WORDS = 2048          # staged x per block: 4096 bf16 (B = 1) or 8 columns of 512, as permuted pairs
-X_CHUNKS = XS_WORDS // 4  # 8-value chunks of a B = 1 tile
 MAX_ROW_TILES = 7        # B = 1: 16-row tiles per block (4 warps each; 7 make 896 threads, the 7 blocks of 128)
 MIN_BLOCKS = 7           # launch bounds: 7 resident blocks per SM (<= 72 registers) fill a wave of 896 blocks
 MAX_REGS = 72            # registers per thread: 65,536 per SM / (7 * 128 threads), in allocation units of 8
-
-
-@cuda.jit(device=True, inline="always")
-def _e2m1_raw(w, s):
-    """E2M1 codes i and i + 4 (i = s/4; s = 0, 4, 8, 12, a constant) of an MXFP4 word in the stored layout
-    (``kernels/quant.py``) -> a bf16 pair of value · 2^-126: magnitude to bits 8..6, sign to 15, in each
-    half. Codes 0-2 sit so that one shift (none, 3, 6) and one mask place them. Code 3 (magnitude bits at
-    13, 14, 10, sign at 11): its fields t; t >> 7 (13, 14 -> 6, 7) and t >> 2 (10 -> 8), one multiply-high
-    by 2^25 + 2^30, added to t << 4 (11 -> 15): no two of the three copies share a bit (nothing carries),
-    and the mask keeps the four wanted ones. 4 instructions (mask, IMAD.HI, shift-and-add, mask)."""
-    m = uint32(0x81C081C0)
-    if s == 0:
-        return w & m
-    if s == 4:
-        return (w << uint32(3)) & m
-    if s == 8:
-        return (w << uint32(6)) & m
-    t = u32_pin(w & uint32(0x6C006C00))   # (opaque: LLVM would rewrite t << 4 as a shift and a second mask)
-    return u32_add(t << uint32(4), u32_mul_hi(t, uint32(0x42000000))) & m
-
-
-@cuda.jit(device=True, inline="always")
-def _mx_pair(w, s, c1, c2, two, raw):
-    a = _e2m1_raw(w, s)
-    if not raw:
-        a = mh.fma_bf16x2(a, c1, uint32(0))
-        if two:
-            a = mh.fma_bf16x2(a, c2, uint32(0))
-    return a
-
-
-@cuda.jit(device=True, inline="always")
-def _q4_pair(w, s, c):
-    return mh.fma_bf16x2(((w >> uint32(s)) & uint32(0x000F000F)) | uint32(0x43004300), uint32(0x3F803F80), c)
-
-
-@cuda.jit(device=True, inline="always")
-def _group(is_int4, two, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, ca, cb, c2a, c2b, xs, xo0, xo1, xo2, xo3, scratch,
-           raw=False):
-    """The 8 mma steps of one group: words a*w (row g) and b*w (row g + 8) of the lane's chunk, their
-    per-row constants, the staged B pairs of word om at xs[xo_om ...] (4 words: b0, b1 of step h = 0, 1).
-    ``raw`` (MXFP4): the E2M1 codes enter the mma as value · 2^-126, the block scale left to the caller."""
-    d0 = d1 = d2 = d3 = float32(0.0)
-    for om in range(4):                       # word om of the chunk: values 8 om .. 8 om + 7
-        wa = a0w if om == 0 else a1w if om == 1 else a2w if om == 2 else a3w
-        wb = b0w if om == 0 else b1w if om == 1 else b2w if om == 2 else b3w
-        xq0, xq1, xq2, xq3 = ld4w(xs, xo0 if om == 0 else xo1 if om == 1 else xo2 if om == 2 else xo3)
-        for h in range(2):                    # k-step: pairs (2h, 2h + 4) -> a0, b0; (2h + 1, 2h + 5) -> a2, b1
-            x0 = xq0 if h == 0 else xq2
-            x1 = xq1 if h == 0 else xq3
-            if is_int4:
-                p0 = _q4_pair(wa, 8 * h, ca)
-                p2 = _q4_pair(wa, 8 * h + 4, ca)
-                p1 = _q4_pair(wb, 8 * h, cb)
-                p3 = _q4_pair(wb, 8 * h + 4, cb)
-            else:
-                p0 = _mx_pair(wa, 8 * h, ca, c2a, two, raw)
-                p2 = _mx_pair(wa, 8 * h + 4, ca, c2a, two, raw)
-                p1 = _mx_pair(wb, 8 * h, cb, c2b, two, raw)
-                p3 = _mx_pair(wb, 8 * h + 4, cb, c2b, two, raw)
-            d0, d1, d2, d3 = mh.mma_bf16_16816(p0, p1, p2, p3, x0, x1, d0, d1, d2, d3, scratch)
-    return d0, d1, d2, d3
-
-
-@cuda.jit(device=True, inline="always")
-def _b_pairs(x0, x1, x2, x3):
-    """Eight bf16 values of x (four words) -> the B pairs (x[0], x[4]), (x[1], x[5]), (x[2], x[6]), (x[3], x[7])."""
-    lo16, hi16 = uint32(0xFFFF), uint32(0xFFFF0000)
-    return ((x0 & lo16) | (x2 << uint32(16)), (x0 >> uint32(16)) | (x2 & hi16),
-            (x1 & lo16) | (x3 << uint32(16)), (x1 >> uint32(16)) | (x3 & hi16))
-
-
-@cuda.jit(device=True, inline="always")
-def _stage_x(xs, x, tid, t0, ku, col0, n_batch, NC, NCH, CS, NT):
-    """Stage the x tile starting at K index t0 into ``xs``, permuted into B pairs (every one of the block's
-    ``NT`` threads calls it)."""
-    u = uint32
-    e = tid
-    while e < u(NC * NCH):
-        col = e // u(NCH)
-        c = e % u(NCH)
-        kk = t0 + u(8) * c
-        w0 = w1 = w2 = w3 = u(0)
-        if kk < ku and col0 + col < u(n_batch):
-            x0, x1, x2, x3 = ld8_ro(x, (col0 + col, kk))
-            w0, w1, w2, w3 = _b_pairs(x0, x1, x2, x3)
-        r = c % u(16)              # chunk r of its group: lane t = r // 4, word om = r % 4
-        o = col * u(CS) + (c // u(16)) * u(64) + (r // u(4)) * u(16) + u(4) * ((r + r // u(4)) & u(3))
-        st4w(xs, o, w0, w1, w2, w3)
-        e += u(NT)
-
-
-@cuda.jit(device=True, inline="always")
-def _tile_ef(mx, slot):
-    """The exponent field ef of the staged tile's scale 2^(253 - ef) (``mx[slot]``: bf16 bits, ``X_EF << 7`` or
-    the tile's largest |x|), clamped to [126, 254] (inf, NaN: 255)."""
-    return min(max(uint32(mx[slot]) >> uint32(7), uint32(126)), uint32(254))
-
-
-@cuda.jit(device=True, inline="always")
-def _tile_fac(mx, slot):
-    """2^(126 - c) of the tile staged from ``mx[slot]`` (``_stage_x_mx``): the factor that takes its block-scaled
-    mma sums back to x's scale. Read again from shared memory where it is needed (valid until the next tile's
-    staging has passed its first barrier): a register held across the loop was spilled."""
-    return u32_as_f32(_tile_ef(mx, slot) << uint32(23))
-
-
-# B = 1, MXFP4: x staged as bf16 x · 2^c. While every |x| of a tile is below 2^12 (the usual case), c is the
-# fixed 253 - X_EF = 116: x · 2^116 stays below 2^128, and products of it with the codes (value · 2^-126) are
-# value · x · 2^-10, in fp32's normal range down to |value · x| = 2^-116. A tile with a larger |x| (or inf,
-# NaN) is staged again with c from its largest |x|.
-X_EF = 137               # the fixed case's exponent field (``_tile_ef``): c = 116, tile factor 2^10
-X_BIG = 0x3A803A80       # added to |x| (two bf16 halves, 15 bits each): carries into bit 15 of a half iff
-                         # |x| >= 2^12 (bits 0x4580); the halves cannot carry into each other
-
-
-@cuda.jit(device=True, inline="always")
-def _stage_x_mx_words(xs, x, tid, t0, ku, ef, NT):
-    """Store the thread's chunks of the tile at K index t0 (chunk tid + NT j of 512, ``NT`` threads in the
-    block) as bf16 x · 2^(253 - ef) in the B-pair order of ``_stage_x``; returns the thread's X_BIG carries
-    (bits 15 and 31 set where some |x| >= 2^12)."""
-    u = uint32
-    sc = (u(380) - ef) << u(7)             # bf16 2^c (exponent field c + 127), c = 253 - ef in [-1, 127]
-    sc = sc | (sc << u(16))
-    big = u(0)
-    for j in range(-(-X_CHUNKS // NT)):    # chunk c = tid + NT j: values t0 + 8c .. t0 + 8c + 7
-        c = tid + u(NT * j)
-        kk = u32_add(t0, u(8) * c)
-        x0 = x1 = x2 = x3 = u(0)
-        if X_CHUNKS % NT != 0 and c >= u(X_CHUNKS):   # (NT not dividing the tile's chunks: past the tile)
-            break
-        if kk < ku:
-            x0, x1, x2, x3 = ld8_ro(x, (0, kk))
-        m = u(0x7FFF7FFF)
-        big = big | u32_add(x0 & m, u(X_BIG)) | u32_add(x1 & m, u(X_BIG)) | u32_add(x2 & m, u(X_BIG)) \
-            | u32_add(x3 & m, u(X_BIG))
-        r = c % u(16)
-        o = (c // u(16)) * u(64) + r * u(4)     # group, lane r // 4, word r % 4 (no rotation: see the kernel)
-        w0, w1, w2, w3 = _b_pairs(x0, x1, x2, x3)
-        st4w(xs, o, mh.fma_bf16x2(w0, sc, u(0)), mh.fma_bf16x2(w1, sc, u(0)), mh.fma_bf16x2(w2, sc, u(0)),
-             mh.fma_bf16x2(w3, sc, u(0)))
-    return big & u(0x80008000)
-
-
-@cuda.jit(device=True, inline="always")
-def _stage_x_mx(xs, x, tid, t0, ku, mx, slot, NT):
-    """B = 1, MXFP4: stage the x tile starting at K index t0 as bf16 x · 2^c in the B-pair order of
-    ``_stage_x`` (exact: a power-of-two scale; ``_tile_fac`` gives the factor back), and end at a barrier.
-    c = 116 (``X_EF``) when every |x| of the tile is below 2^12 (one pass; the barrier also tells whether
-    some thread saw a larger one); otherwise the tile is staged again with c = 253 - (exponent field of its
-    largest |x|) so that the largest lands below 2^127. ``mx[slot]``: the tile's exponent source, X_EF << 7
-    unless raised by the second pass (reset by the previous tile)."""
-    u = uint32
-    big = _stage_x_mx_words(xs, x, tid, t0, ku, u(X_EF), NT)
-    again = cuda.syncthreads_or(int32(big != u(0)))
-    if tid == u(0):
-        mx[u(1) - slot] = int32(X_EF << 7)   # reset the other slot for the next tile
-    if again != 0:                         # the same branch in every thread of the block
-        mlo = mhi = u(0)                   # the largest |x| of the low and the high halves (bf16 bits)
-        for j in range(-(-X_CHUNKS // NT)):
-            c = tid + u(NT * j)
-            kk = u32_add(t0, u(8) * c)
-            if kk < ku and (X_CHUNKS % NT == 0 or c < u(X_CHUNKS)):
-                x0, x1, x2, x3 = ld8_ro(x, (0, kk))
-                mlo = max(mlo, x0 & u(0x7FFF), x1 & u(0x7FFF), x2 & u(0x7FFF), x3 & u(0x7FFF))
-                mhi = max(mhi, x0 & u(0x7FFF0000), x1 & u(0x7FFF0000), x2 & u(0x7FFF0000), x3 & u(0x7FFF0000))
-        cuda.atomic.max(mx, slot, int32(max(mlo, mhi >> u(16))))
-        cuda.syncthreads()
-        _stage_x_mx_words(xs, x, tid, t0, ku, _tile_ef(mx, slot), NT)
-        cuda.syncthreads()
-
-
-@cuda.jit(device=True, inline="always")
-def _acc_group_mxd(a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, ea, eb, xs, xo, scratch, acc0, acc2):
-    """B = 1, MXFP4: one group through the mma with the codes as value · 2^-126 and x staged so that D
-    column 2t holds MX block t alone (the lane's own block); the lane scales its D by 2^(e - 127) (fp32,
-    e = 0 a subnormal). Returns the row g and row g + 8 accumulators."""
-    u = uint32
-    xi = int64(xo)                         # 64-bit: the four loads share one address (immediate offsets)
-    d0, d1, d2, d3 = _group(False, False, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, u(0), u(0), u(0), u(0),
-                            xs, xi, xi + int64(4), xi + int64(8), xi + int64(12), scratch, True)
-    acc0 += d0 * u32_as_f32(max(ea << u(23), u(0x400000)))
-    acc2 += d2 * u32_as_f32(max(eb << u(23), u(0x400000)))
-    return acc0, acc2
-
-
-@cuda.jit(device=True, inline="always")
-def _group_scales(is_int4, sa, sb, za, zb, gi):
-    """Group ``gi``'s constants from views of rows g (``sa``, ``za``) and g + 8 (``sb``, ``zb``) that start at
-    the lane's group 0: int4 zero points and scales; MXFP4 the lane's E8M0 exponents (the other four zeros)."""
-    if is_int4:
-        return (float32(za[gi]), float32(zb[gi]), float32(sa[gi]), float32(sb[gi]), uint32(0), uint32(0))
-    return (float32(0.0), float32(0.0), float32(0.0), float32(0.0),
-            uint32(sa[gi * int64(4)]), uint32(sb[gi * int64(4)]))
-
-
-@cuda.jit(device=True, inline="always")
-def _b1_scales(is_int4, sa, sb, za, zb, scales, qsa, qsb, gi):
-    """``_group_scales`` of the batch-1 loop: MXFP4's exponents at the lane's 64-bit bases (``lane_ptr``)."""
-    if is_int4:
-        return _group_scales(True, sa, sb, za, zb, int64(gi))
-    return (float32(0.0), float32(0.0), float32(0.0), float32(0.0),
-            ld1b_at(scales, ptr_add(qsa, gi, 4)), ld1b_at(scales, ptr_add(qsb, gi, 4)))
-
-
-@cuda.jit(device=True, inline="always")
-def _acc_group(is_int4, probe, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, za, zb, ua, ub, ea, eb,
-               xs, xo, xr0, xr1, xr2, xr3, scratch, acc0, acc1, acc2, acc3):
-    """One group of the lane's chunk (words a*w of row g, b*w of row g + 8) multiplied into the accumulators;
-    its staged x at ``xs[xo ...]``. ``probe``: no decode and no mma, the loads kept live."""
-    u = uint32
-    if probe:
-        xq0, xq1, xq2, xq3 = ld4w(xs, xo + xr0)
-        v = a0w ^ a1w ^ a2w ^ a3w ^ b0w ^ b1w ^ b2w ^ b3w ^ xq0 ^ xq3 ^ u(za + zb + ua + ub) ^ ea ^ eb
-        acc0 += float32(v & u(1))
-    elif is_int4:                          # c: -(128 + zero) per row, the D scale after the group
-        ca = mh.pack_bf16x2(-(za + float32(128.0)), -(za + float32(128.0)))
-        cb = mh.pack_bf16x2(-(zb + float32(128.0)), -(zb + float32(128.0)))
-        d0, d1, d2, d3 = _group(True, False, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, ca, cb, ca, cb,
-                                xs, u32_add(xo, xr0), u32_add(xo, xr1), u32_add(xo, xr2), u32_add(xo, xr3), scratch)
-        acc0 += d0 * ua
-        acc1 += d1 * ua
-        acc2 += d2 * ub
-        acc3 += d3 * ub
-    else:                                  # ea, eb: the lane's E8M0 exponents e (0..254)
-        if warp_any(ea > u(128) or eb > u(128)):
-            # 2^126 then 2^(e - 127) (e = 0: 2^-127, a bf16 subnormal)
-            sa2 = u(0x40) if ea == u(0) else ea << u(7)
-            sb2 = u(0x40) if eb == u(0) else eb << u(7)
-            d0, d1, d2, d3 = _group(False, True, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w,
-                                    u(0x7E807E80), u(0x7E807E80), sa2 | (sa2 << u(16)), sb2 | (sb2 << u(16)),
-                                    xs, u32_add(xo, xr0), u32_add(xo, xr1), u32_add(xo, xr2), u32_add(xo, xr3), scratch)
-        else:                              # one fma by 2^(e - 1): bf16 exponent field e + 126
-            sa1 = (ea + u(126)) << u(7)
-            sb1 = (eb + u(126)) << u(7)
-            d0, d1, d2, d3 = _group(False, False, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w,
-                                    sa1 | (sa1 << u(16)), sb1 | (sb1 << u(16)), u(0), u(0),
-                                    xs, u32_add(xo, xr0), u32_add(xo, xr1), u32_add(xo, xr2), u32_add(xo, xr3), scratch)
-        acc0 += d0
-        acc1 += d1
-        acc2 += d2
-        acc3 += d3
-    return acc0, acc1, acc2, acc3
 
 
 @functools.lru_cache(maxsize=None)
@@ -344,7 +101,7 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
     CPA = S > 1
     RING = W * S * 2 * 128 if CPA else 4   # words: per warp and stage, rows g and g + 8, 16 bytes a lane
     B1 = NC == 1 and PF and not CPA and L2A == 0   # the two-set loop below (the others: the general one)
-    MXD = B1 and not is_int4               # MXFP4 at B = 1: block scales applied to D (``_acc_group_mxd``)
+    MXD = B1 and not is_int4               # MXFP4 at B = 1: block scales applied to D (``acc_group_mxd``)
     XSA = XSN + (16 if MXD else 0)         # + a zero block read by the lanes whose B column is not theirs
     WAIT = cp_async_waiter(S - 1 if CPA else 0)
     RT = row_tiles
@@ -401,7 +158,7 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
         xs = cuda.shared.array(XSA, np.uint32, alignment=SHARED_ALIGN16)
         red = cuda.shared.array((RW, 32, 4), np.float32)
         qsum = cuda.shared.array(QSR, np.float32)
-        mx = cuda.shared.array(2, np.int32)    # MXD: the x tile's scale source (``_tile_ef``), two slots alternating
+        mx = cuda.shared.array(2, np.int32)    # MXD: the x tile's scale source (``tile_ef``), two slots alternating
         ring = cuda.shared.array(RING, np.uint32, alignment=SHARED_ALIGN16)
         slot = (wid * u(S) * u(2)) * u(128) + lane * u(4)   # + (stage * 2 + row half) * 128
         acc0 = acc1 = acc2 = acc3 = float32(0.0)
@@ -416,8 +173,8 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
             # multiplied without a branch: behind one, ptxas moved Y's loads down to their use).
             # MXFP4 (MXD): B's column 2t holds x only at the k of lane t's MX block (lanes g != 2t read a
             # zero block), so D column 2t is block t's sum alone and lane t scales it by its own block scale:
-            # no per-pair scaling. x is staged scaled by 2^c per tile (``_stage_x_mx``); the tile's sums
-            # (ta*) are taken back by ``_tile_fac``.
+            # no per-pair scaling. x is staged scaled by 2^c per tile (``stage_x_mx``); the tile's sums
+            # (ta*) are taken back by ``tile_fac``.
             ta0 = ta2 = float32(0.0)
             if MXD:          # the finished tiles' sums wait in the thread's own slots of ``red``: registers held
                 red[gw, lane, 0] = float32(0.0)    # across the whole loop were spilled to local memory
@@ -443,12 +200,12 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
             gx = min(wid, ng1)
             x0w, x1w, x2w, x3w = ld16_at(packed, ptr_add(qa, gx, 64))
             x4w, x5w, x6w, x7w = ld16_at(packed, ptr_add(qb, gx, 64))
-            xza, xzb, xua, xub, xea, xeb = _b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gx)
+            xza, xzb, xua, xub, xea, xeb = b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gx)
             if EY:           # the first Y too, before x is staged: two groups in flight from the start
                 gy = min(u32_add(wid, W), ng1)
                 y0w, y1w, y2w, y3w = ld16_at(packed, ptr_add(qa, gy, 64))
                 y4w, y5w, y6w, y7w = ld16_at(packed, ptr_add(qb, gy, 64))
-                yza, yzb, yua, yub, yea, yeb = _b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gy)
+                yza, yzb, yua, yub, yea, yeb = b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gy)
             # W and its scales are read before the wait, x after it (launch_pdl: this kernel may start while
             # the one before it, which may be writing x, still runs)
             grid_dependency_wait()
@@ -459,12 +216,12 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                 cuda.syncthreads()             # (the previous tile is no longer read)
                 if MXD:
                     if tile > u(0):
-                        red[gw, lane, 0] += ta0 * _tile_fac(mx, (tile + u(1)) % u(2))
-                        red[gw, lane, 2] += ta2 * _tile_fac(mx, (tile + u(1)) % u(2))
+                        red[gw, lane, 0] += ta0 * tile_fac(mx, (tile + u(1)) % u(2))
+                        red[gw, lane, 2] += ta2 * tile_fac(mx, (tile + u(1)) % u(2))
                     ta0 = ta2 = float32(0.0)
-                    _stage_x_mx(xs, x, tid, u32_mad(base, GROUP, 0), ku, mx, tile % u(2), NT)   # ends at a barrier
+                    stage_x_mx(xs, x, tid, u32_mad(base, GROUP, 0), ku, mx, tile % u(2), NT)   # ends at a barrier
                 else:
-                    _stage_x(xs, x, tid, u32_mad(base, GROUP, 0), ku, col0, n_batch, NC, NCH, CS, NT)
+                    stage_x(xs, x, tid, u32_mad(base, GROUP, 0), ku, col0, n_batch, NC, NCH, CS, NT)
                     cuda.syncthreads()
                 nbase = u32_add(base, TG)      # the next tile (for the last pair's X)
                 nti = u(u32_add(min(u(TG), u32_mad(nbase, 0xFFFFFFFF, ng)), 3) >> u(2)) if nbase < ng else u(0)
@@ -475,27 +232,27 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                         gy = min(u32_add(base, qy), ng1)
                         y0w, y1w, y2w, y3w = ld16_at(packed, ptr_add(qa, gy, 64))
                         y4w, y5w, y6w, y7w = ld16_at(packed, ptr_add(qb, gy, 64))
-                        yza, yzb, yua, yub, yea, yeb = _b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gy)
+                        yza, yzb, yua, yub, yea, yeb = b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gy)
                     xo = u32_mad(u32_mad(p, W, wid), xst, xbb)
                     if MXD and not PROBE:
-                        ta0, ta2 = _acc_group_mxd(x0w, x1w, x2w, x3w, x4w, x5w, x6w, x7w, xea, xeb,
+                        ta0, ta2 = acc_group_mxd(x0w, x1w, x2w, x3w, x4w, x5w, x6w, x7w, xea, xeb,
                                                   xs, xo, scratch, ta0, ta2)
                     else:
-                        acc0, acc1, acc2, acc3 = _acc_group(
+                        acc0, acc1, acc2, acc3 = acc_group(
                             is_int4, PROBE, x0w, x1w, x2w, x3w, x4w, x5w, x6w, x7w, xza, xzb, xua, xub, xea, xeb,
                             xs, xo, xr0, xr1, xr2, xr3, scratch, acc0, acc1, acc2, acc3)
                     p = u32_add(p, 2)
                     gx = min(u32_add(base, u32_mad(p, W, wid)) if p < ti else u32_add(nbase, wid), ng1)
                     x0w, x1w, x2w, x3w = ld16_at(packed, ptr_add(qa, gx, 64))
                     x4w, x5w, x6w, x7w = ld16_at(packed, ptr_add(qb, gx, 64))
-                    xza, xzb, xua, xub, xea, xeb = _b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gx)
+                    xza, xzb, xua, xub, xea, xeb = b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gx)
                     # Y (past the tile's groups when ti is odd: staged zeros)
                     xo = u32_mad(qy, xst, xbb)
                     if MXD and not PROBE:
-                        ta0, ta2 = _acc_group_mxd(y0w, y1w, y2w, y3w, y4w, y5w, y6w, y7w, yea, yeb,
+                        ta0, ta2 = acc_group_mxd(y0w, y1w, y2w, y3w, y4w, y5w, y6w, y7w, yea, yeb,
                                                   xs, xo, scratch, ta0, ta2)
                     else:
-                        acc0, acc1, acc2, acc3 = _acc_group(
+                        acc0, acc1, acc2, acc3 = acc_group(
                             is_int4, PROBE, y0w, y1w, y2w, y3w, y4w, y5w, y6w, y7w, yza, yzb, yua, yub, yea,
                             yeb, xs, xo, xr0, xr1, xr2, xr3, scratch, acc0, acc1, acc2, acc3)
                     if EY:       # the next pair's Y (in the next tile past this tile's last pair)
@@ -503,12 +260,12 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                                  else u32_add(nbase, u32_add(wid, W)), ng1)
                         y0w, y1w, y2w, y3w = ld16_at(packed, ptr_add(qa, gy, 64))
                         y4w, y5w, y6w, y7w = ld16_at(packed, ptr_add(qb, gy, 64))
-                        yza, yzb, yua, yub, yea, yeb = _b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gy)
+                        yza, yzb, yua, yub, yea, yeb = b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gy)
                 base = nbase
                 ti = nti
                 tile = u32_add(tile, 1)
             if MXD:                            # the last tile's sums; then the 4 blocks of a row: lanes t
-                tfac = _tile_fac(mx, (n_tiles + u(1)) % u(2))
+                tfac = tile_fac(mx, (n_tiles + u(1)) % u(2))
                 acc0 = mh.quad_sum(red[gw, lane, 0] + ta0 * tfac, qsum)
                 acc2 = mh.quad_sum(red[gw, lane, 2] + ta2 * tfac, qsum)
         else:
@@ -526,14 +283,14 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                 pa0, pa1, pa2, pa3 = _ld16_ro(packed, wa0 + gc * u(64))
                 pb0, pb1, pb2, pb3 = _ld16_ro(packed, wb0 + gc * u(64))
             # the loaded group's constants (int4 zero points and scales, MXFP4 the lane's E8M0 exponents)
-            qa, qb, sa, sb, na, nb = _group_scales(is_int4, psa, psb, pza, pzb, int64(gc))
+            qa, qb, sa, sb, na, nb = group_scales(is_int4, psa, psb, pza, pzb, int64(gc))
             grid_dependency_wait()                 # x after the wait, as above
             grid_dependents_launch()
             it = u(0)
             while it < n_it:
                 if it % u(TI) == u(0):             # stage the next tile of x, permuted into B pairs
                     cuda.syncthreads()             # (the previous tile is no longer read)
-                    _stage_x(xs, x, tid, it * u(W * GROUP), ku, col0, n_batch, NC, NCH, CS, NT)
+                    stage_x(xs, x, tid, it * u(W * GROUP), ku, col0, n_batch, NC, NCH, CS, NT)
                     cuda.syncthreads()
                 gi = u32_mad(it, W, wid)
                 if CPA:                            # issue stage it + S - 1, wait for stage it, read it
@@ -548,26 +305,26 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                     b0w, b1w, b2w, b3w = ld4w(ring, slot + sc + u(128))
                     za, zb, ua, ub, ea, eb = qa, qb, sa, sb, na, nb
                     gn = min(gi + u(W), ng1)       # scales: one group ahead in registers (mostly L1 hits)
-                    qa, qb, sa, sb, na, nb = _group_scales(is_int4, psa, psb, pza, pzb, int64(gn))
+                    qa, qb, sa, sb, na, nb = group_scales(is_int4, psa, psb, pza, pzb, int64(gn))
                 elif PF:
                     a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w = pa0, pa1, pa2, pa3, pb0, pb1, pb2, pb3
                     za, zb, ua, ub, ea, eb = qa, qb, sa, sb, na, nb
                     gn = min(u32_add(gi, W), ng1)  # the last iteration reloads a group that is still cached
                     pa0, pa1, pa2, pa3 = _ld16_ro(packed, u32_mad(gn, 64, wa0))
                     pb0, pb1, pb2, pb3 = _ld16_ro(packed, u32_mad(gn, 64, wb0))
-                    qa, qb, sa, sb, na, nb = _group_scales(is_int4, psa, psb, pza, pzb, int64(gn))
+                    qa, qb, sa, sb, na, nb = group_scales(is_int4, psa, psb, pza, pzb, int64(gn))
                 else:
                     gc = min(gi, ng1)
                     a0w, a1w, a2w, a3w = _ld16_ro(packed, u32_mad(gc, 64, wa0))
                     b0w, b1w, b2w, b3w = _ld16_ro(packed, u32_mad(gc, 64, wb0))
-                    za, zb, ua, ub, ea, eb = _group_scales(is_int4, psa, psb, pza, pzb, int64(gc))
+                    za, zb, ua, ub, ea, eb = group_scales(is_int4, psa, psb, pza, pzb, int64(gc))
                 if L2A > 0:
                     gl = min(gi + u(L2A * W), ng1)
                     prefetch_l2(packed, wa0 + gl * u(64))
                     prefetch_l2(packed, wb0 + gl * u(64))
                 # groups past K (the clamped reloads) meet staged zeros of x: they add nothing
                 xo = u32_mad(u32_mad(it % u(TI), W, wid), 64, xb)
-                acc0, acc1, acc2, acc3 = _acc_group(is_int4, PROBE, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, za, zb, ua, ub,
+                acc0, acc1, acc2, acc3 = acc_group(is_int4, PROBE, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, za, zb, ua, ub,
                                                     ea, eb, xs, xo, xr0, xr1, xr2, xr3, scratch, acc0, acc1, acc2, acc3)
                 it = u32_add(it, 1)
         red[gw, lane, 0] = acc0
