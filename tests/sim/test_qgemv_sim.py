@@ -275,7 +275,8 @@ def test_qgemv_mma_row_tiles_share_one_staging(kind, n, k, row_tiles, bias, outl
 
 
 def test_qgemv_mma_row_tiles_checked():
-    """``mma_row_tiles`` is 0 (auto) or 1 to 7, and more than 1 only at batch 1 (the register loop)."""
+    """``mma_row_tiles`` is 0 (auto) or 1 to 7, and more than 1 only at batch 1 (the register loop); so is
+    ``mma_early_y``."""
     qw, x, _, out = int4_case(7, 20, 256, 1, False, np.float16)
     args = (dev(qw.packed), dev(qw.scales), dev(qw.zeros))
     for bad in (8, -1):
@@ -285,6 +286,9 @@ def test_qgemv_mma_row_tiles_checked():
     with pytest.raises(ValueError, match="batch 2"):
         qgemv.qgemv_int4(*args, dev(x2), cuda.device_array((2, 20), np.uint16),
                          config=qgemv.QgemvConfig(route="mma", mma_row_tiles=2))
+    with pytest.raises(ValueError, match="early_y takes batch 1"):     # early_y: the batch-1 loop only
+        qgemv.qgemv_int4(*args, dev(x2), cuda.device_array((2, 20), np.uint16),
+                         config=qgemv.QgemvConfig(route="mma", mma_early_y=True))
 
 
 def test_auto_row_tiles():
