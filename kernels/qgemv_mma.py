@@ -55,8 +55,8 @@ from numba import cuda, float32, int32, int64, uint32
 from . import mma_helpers as mh
 from .dtypes import dev_bf16_to_f32, dev_f32_to_bf16
 from .launch import SHARED_ALIGN16, cp_async16, cp_async_commit, cp_async_waiter, grid_dependency_wait, \
-    grid_dependents_launch, launch_pdl, ld16_at, ld4w, lane_ptr, prefetch_l2, ptr_add, u32_add, u32_mad, u32_pin
-from .qgemv_mma_steps import X_EF, XS_WORDS, acc_group, acc_group_mxd, b1_scales, group_scales, stage_x, stage_x_mx, \
+    grid_dependents_launch, launch_pdl, ld4w, lane_ptr, prefetch_l2, u32_add, u32_mad, u32_pin
+from .qgemv_mma_steps import X_EF, XS_WORDS, acc_group, acc_group_mxd, b1_set, group_scales, stage_x, stage_x_mx, \
     tile_fac
 from .workspace import NONE
 
@@ -198,14 +198,12 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
             n_tiles = (ng + u(TG - 1)) // u(TG)
             ti = u(u32_add(min(u(TG), ng), 3) >> u(2))         # the tile's groups per warp
             gx = min(wid, ng1)
-            x0w, x1w, x2w, x3w = ld16_at(packed, ptr_add(qa, gx, 64))
-            x4w, x5w, x6w, x7w = ld16_at(packed, ptr_add(qb, gx, 64))
-            xza, xzb, xua, xub, xea, xeb = b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gx)
+            x0w, x1w, x2w, x3w, x4w, x5w, x6w, x7w, xza, xzb, xua, xub, xea, xeb = b1_set(
+                is_int4, packed, scales, qa, qb, qsa, qsb, psa, psb, pza, pzb, gx)
             if EY:           # the first Y too, before x is staged: two groups in flight from the start
                 gy = min(u32_add(wid, W), ng1)
-                y0w, y1w, y2w, y3w = ld16_at(packed, ptr_add(qa, gy, 64))
-                y4w, y5w, y6w, y7w = ld16_at(packed, ptr_add(qb, gy, 64))
-                yza, yzb, yua, yub, yea, yeb = b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gy)
+                y0w, y1w, y2w, y3w, y4w, y5w, y6w, y7w, yza, yzb, yua, yub, yea, yeb = b1_set(
+                    is_int4, packed, scales, qa, qb, qsa, qsb, psa, psb, pza, pzb, gy)
             # W and its scales are read before the wait, x after it (launch_pdl: this kernel may start while
             # the one before it, which may be writing x, still runs)
             grid_dependency_wait()
@@ -230,9 +228,8 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                     qy = u32_mad(u32_add(p, 1), W, wid)
                     if not EY:
                         gy = min(u32_add(base, qy), ng1)
-                        y0w, y1w, y2w, y3w = ld16_at(packed, ptr_add(qa, gy, 64))
-                        y4w, y5w, y6w, y7w = ld16_at(packed, ptr_add(qb, gy, 64))
-                        yza, yzb, yua, yub, yea, yeb = b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gy)
+                        y0w, y1w, y2w, y3w, y4w, y5w, y6w, y7w, yza, yzb, yua, yub, yea, yeb = b1_set(
+                            is_int4, packed, scales, qa, qb, qsa, qsb, psa, psb, pza, pzb, gy)
                     xo = u32_mad(u32_mad(p, W, wid), xst, xbb)
                     if MXD and not PROBE:
                         ta0, ta2 = acc_group_mxd(x0w, x1w, x2w, x3w, x4w, x5w, x6w, x7w, xea, xeb,
@@ -243,9 +240,8 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                             xs, xo, xr0, xr1, xr2, xr3, scratch, acc0, acc1, acc2, acc3)
                     p = u32_add(p, 2)
                     gx = min(u32_add(base, u32_mad(p, W, wid)) if p < ti else u32_add(nbase, wid), ng1)
-                    x0w, x1w, x2w, x3w = ld16_at(packed, ptr_add(qa, gx, 64))
-                    x4w, x5w, x6w, x7w = ld16_at(packed, ptr_add(qb, gx, 64))
-                    xza, xzb, xua, xub, xea, xeb = b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gx)
+                    x0w, x1w, x2w, x3w, x4w, x5w, x6w, x7w, xza, xzb, xua, xub, xea, xeb = b1_set(
+                        is_int4, packed, scales, qa, qb, qsa, qsb, psa, psb, pza, pzb, gx)
                     # Y (past the tile's groups when ti is odd: staged zeros)
                     xo = u32_mad(qy, xst, xbb)
                     if MXD and not PROBE:
@@ -258,9 +254,8 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                     if EY:       # the next pair's Y (in the next tile past this tile's last pair)
                         gy = min(u32_add(base, u32_mad(u32_add(p, 1), W, wid)) if p < ti
                                  else u32_add(nbase, u32_add(wid, W)), ng1)
-                        y0w, y1w, y2w, y3w = ld16_at(packed, ptr_add(qa, gy, 64))
-                        y4w, y5w, y6w, y7w = ld16_at(packed, ptr_add(qb, gy, 64))
-                        yza, yzb, yua, yub, yea, yeb = b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gy)
+                        y0w, y1w, y2w, y3w, y4w, y5w, y6w, y7w, yza, yzb, yua, yub, yea, yeb = b1_set(
+                            is_int4, packed, scales, qa, qb, qsa, qsb, psa, psb, pza, pzb, gy)
                 base = nbase
                 ti = nti
                 tile = u32_add(tile, 1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from numba import cuda, float32, int32, int64, uint32
 
 from . import mma_helpers as mh
-from .launch import ld1b_at, ld4w, ld8_ro, ptr_add, st4w, u32_add, u32_as_f32, u32_mul_hi, u32_pin, warp_any
+from .launch import ld16_at, ld1b_at, ld4w, ld8_ro, ptr_add, st4w, u32_add, u32_as_f32, u32_mul_hi, u32_pin, warp_any
 
 XS_WORDS = 2048          # staged x per block: 4096 bf16 (B = 1) or 8 columns of 512, as permuted pairs
 X_CHUNKS = XS_WORDS // 4  # 8-value chunks of a B = 1 tile
@@ -255,3 +255,13 @@ def acc_group(is_int4, probe, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, za, zb, ua
         acc2 += d2
         acc3 += d3
     return acc0, acc1, acc2, acc3
+
+
+@cuda.jit(device=True, inline="always")
+def b1_set(is_int4, packed, scales, qa, qb, qsa, qsb, psa, psb, pza, pzb, gi):
+    """One register set of the batch-1 loop: the lane's chunk of group ``gi`` in rows g (``qa``) and g + 8
+    (``qb``), four words each, then the group's constants (``b1_scales``)."""
+    a0, a1, a2, a3 = ld16_at(packed, ptr_add(qa, gi, 64))
+    b0, b1, b2, b3 = ld16_at(packed, ptr_add(qb, gi, 64))
+    za, zb, ua, ub, ea, eb = b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gi)
+    return a0, a1, a2, a3, b0, b1, b2, b3, za, zb, ua, ub, ea, eb
