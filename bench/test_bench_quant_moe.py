@@ -83,7 +83,14 @@ def test_bench_qgemv_mxfp4_bandwidth_early_y(benchmark, copy_ceiling):
     _mxfp4_bandwidth(benchmark, copy_ceiling, "mma", True, 0, 0, pdl=False, early_y=True)
 
 
-def _mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages, row_tiles, pdl, early_y=False):
+def test_bench_qgemv_mxfp4_bandwidth_one_chain(benchmark, copy_ceiling):
+    """The default's blocks with the loop of 2026-12-05: one mma dependency chain per group and x staged after
+    W's first loads (``mma_split=False, mma_x_first=False``), for the gain of the two in the same run."""
+    _mxfp4_bandwidth(benchmark, copy_ceiling, "mma", True, 0, 0, pdl=False, split=False, x_first=False)
+
+
+def _mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages, row_tiles, pdl, early_y=False, split=None,
+                     x_first=None):
     torch = _torch()
     from vmmstream.kernels import qgemv
     _, qw = _quantized("mxfp4")
@@ -91,10 +98,10 @@ def _mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages, row_tiles
     out = torch.empty(1, I, device="cuda", dtype=torch.bfloat16)
     dparts = [nb(torch.from_numpy(np.ascontiguousarray(a)).cuda()) for a in qw]
     cfg = qgemv.QgemvConfig(route=route, mma_prefetch=prefetch, mma_stages=stages, mma_row_tiles=row_tiles,
-                            pdl=pdl, mma_early_y=early_y)
+                            pdl=pdl, mma_early_y=early_y, mma_split=split, mma_x_first=x_first)
     t = device_seconds(capture(lambda s: qgemv.qgemv_mxfp4(*dparts, nb(x), nb(out), stream=s, config=cfg)), benchmark)
     benchmark.extra_info.update(route=route, mma_prefetch=prefetch, mma_stages=stages, mma_row_tiles=row_tiles,
-                                pdl=pdl, mma_early_y=early_y)
+                                pdl=pdl, mma_early_y=early_y, mma_split=split, mma_x_first=x_first)
     nbytes = sum(a.nbytes for a in qw) + 2 * H + 2 * I
     ceil = copy_ceiling["torch_gbps"]
     # context, not the bar: a device copy of this GEMV's byte count (read + write counted, as the ceiling)
@@ -104,7 +111,7 @@ def _mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages, row_tiles
     info = record(benchmark, seconds=t, nbytes=nbytes, ceiling_gbps=ceil, ratio=nbytes / t / 1e9 / ceil,
                   bar=MX_BAR, op="ge", same_bytes_copy_GBps=nbytes / t_copy / 1e9, same_bytes_copy_us=t_copy * 1e6)
     print(f"\nqgemv mxfp4 ({route}, row tiles {row_tiles or 'auto'}{', pdl' if pdl else ''}"
-          f"{', early_y' if early_y else ''}) "
+          f"{', early_y' if early_y else ''}{', one chain, x after W' if split is False else ''}) "
           f"{info['device_us']:.2f} us, {info['GB/s']:.0f} GB/s = {info['ratio']:.3f} of copy (same bytes: "
           f"copy {t_copy * 1e6:.2f} us)")
 

@@ -63,6 +63,10 @@ class QgemvConfig:
                              # docs/BENCHMARKS.md)
     mma_early_y: bool = False  # mma route, batch 1: load each pair's second group one step earlier (the first
                              # before x is staged): two groups in flight from the start
+    mma_split: bool | None = None  # mma route, MXFP4 at batch 1: each group's 8 mma steps as two dependency
+                             # chains of 4 (None: there; on an H100 3.7 % faster at 7 row tiles, docs/BENCHMARKS.md)
+    mma_x_first: bool | None = None  # mma route, MXFP4 at batch 1: the first x tile loaded before W (None: in
+                             # blocks of 4 or more row tiles without pdl; True with pdl is refused)
     pdl: bool = False        # mma route: programmatic dependent launch (loads W while the previous kernel on the
                              # stream finishes); only where that kernel does not write these weights. With
                              # route "auto" it applies where the mma route is taken (a simt launch is plain)
@@ -254,7 +258,7 @@ def _launch(name, kind, packed, scales, zeros, x, out, bias, workspace, stream, 
         from . import qgemv_mma
         qgemv_mma.launch(kind, packed, scales, zeros, x, out, bias, as_stream(stream), cfg.mma_prefetch,
                          cfg.mma_l2_ahead, stages=cfg.mma_stages, pdl=cfg.pdl, row_tiles=cfg.mma_row_tiles,
-                         early_y=cfg.mma_early_y)
+                         early_y=cfg.mma_early_y, split=cfg.mma_split, x_first=cfg.mma_x_first)
         return
     threads, rpw, nb, kt = _auto(b, cfg)
     kern = _make(kind, nb, rpw, threads, bias is not None, kt)

@@ -37,7 +37,10 @@ the instructions per value low:
   by its own 2^(e - 127) in fp32, two fma per group instead of one per pair. x is staged as bf16 x · 2^c
   (exact, a power of two) so the products stay in fp32's normal range: c = 116 while every |x| of the
   tile is below 2^12, found in the staging's own barrier (``bar.red.or``), else from the tile's largest |x|;
-  the tile's sum is taken back by 2^-c.
+  the tile's sum is taken back by 2^-c. A group's 8 mma steps there run as two dependency chains of 4 (steps
+  h = 0 and h = 1 into two D, added at the end), and in blocks of 4 or more row tiles each thread loads its
+  chunk of the first x tile before W's first loads, so that the staging does not wait behind them
+  (``split``, ``x_first``; on an H100 together 5 % faster, docs/BENCHMARKS.md).
 
 Contract beyond the scalar route's: K a multiple of 128; int4 zero points integers in [0, 15]
 (``quantize_int4`` makes them so; a fractional zero would be rounded to bf16). Capture-safe; no workspace.
@@ -57,7 +60,7 @@ from .dtypes import dev_bf16_to_f32, dev_f32_to_bf16
 from .launch import SHARED_ALIGN16, cp_async16, cp_async_commit, cp_async_waiter, grid_dependency_wait, \
     grid_dependents_launch, launch_pdl, ld4w, lane_ptr, prefetch_l2, u32_add, u32_mad, u32_pin
 from .qgemv_mma_steps import X_EF, XS_WORDS, acc_group, acc_group_mxd, b1_set, group_scales, stage_x, stage_x_mx, \
-    tile_fac
+    stage_x_mx_pre, tile_fac, x_first_words
 from .workspace import NONE
 
 CAPTURE_SAFE = True      # no allocation, no synchronize, device arrays only
@@ -71,7 +74,8 @@ MAX_REGS = 72            # registers per thread: 65,536 per SM / (7 * 128 thread
 
 @functools.lru_cache(maxsize=None)
 def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ahead: int = 0, probe: bool = False,
-         stages: int = 0, row_tiles: int = 1, early_y: bool = False, carveout=None):
+         stages: int = 0, row_tiles: int = 1, early_y: bool = False, carveout=None, split: bool = False,
+         x_first: bool = False):
     """``ncols``: columns of x staged per block, 1 (B = 1) or 8; ``prefetch``: load the next group's
     chunks before multiplying the current one (False: at the top of each iteration, for comparison);
     ``l2_ahead``: also ``prefetch.global.L2`` the chunks of the group that many iterations ahead (0: none);
@@ -82,7 +86,10 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
     batch-1 loop only): 16-row tiles per block, 4 warps each, that share one staging of x (``launch``).
     ``early_y`` (the batch-1 loop only): the first pair's second group is loaded before x is staged, and each
     pair's after the pair before it is multiplied (False: at the top of each step). ``carveout``: the shared
-    memory carveout preference (``cuda.jit``'s ``shared_memory_carveout``; None: the driver's default)."""
+    memory carveout preference (``cuda.jit``'s ``shared_memory_carveout``; None: the driver's default).
+    ``split`` (MXFP4, the batch-1 loop): each group's 8 mma steps as two dependency chains of 4 (``launch``
+    takes it there by default). ``x_first`` (MXFP4, the batch-1 loop; a launch without ``pdl``): the first x
+    tile's loads issued before W's, held in registers (up to 4 chunks of 16 bytes) until it is staged."""
     from .qgemv import INT4, _ld16_ro
     MS0, MS1 = mh.SIM_MMA_SCRATCH          # simulator-only scratch (1 x 1 on the GPU)
     QS = mh.SIM_RED_SCRATCH
@@ -106,6 +113,12 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
     WAIT = cp_async_waiter(S - 1 if CPA else 0)
     RT = row_tiles
     EY = bool(early_y)
+    SPL = bool(split)
+    if SPL and not MXD:
+        raise ValueError("split is an option of the MXFP4 batch-1 register loop")
+    XF = bool(x_first)
+    if XF and not MXD:
+        raise ValueError("x_first is an option of the MXFP4 batch-1 register loop")
     if EY and not B1:
         raise ValueError("early_y is an option of the batch-1 register loop")
     if RT != 1 and not B1:
@@ -197,6 +210,8 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
             qsa, qsb = lane_ptr(scales, int64(sa0)), lane_ptr(scales, int64(sb0))
             n_tiles = (ng + u(TG - 1)) // u(TG)
             ti = u(u32_add(min(u(TG), ng), 3) >> u(2))         # the tile's groups per warp
+            if XF:           # the first x tile's loads ahead of W's (read before any W load is issued)
+                f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15 = x_first_words(x, tid, ku, NT)
             gx = min(wid, ng1)
             x0w, x1w, x2w, x3w, x4w, x5w, x6w, x7w, xza, xzb, xua, xub, xea, xeb = b1_set(
                 is_int4, packed, scales, qa, qb, qsa, qsb, psa, psb, pza, pzb, gx)
@@ -217,7 +232,11 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                         red[gw, lane, 0] += ta0 * tile_fac(mx, (tile + u(1)) % u(2))
                         red[gw, lane, 2] += ta2 * tile_fac(mx, (tile + u(1)) % u(2))
                     ta0 = ta2 = float32(0.0)
-                    stage_x_mx(xs, x, tid, u32_mad(base, GROUP, 0), ku, mx, tile % u(2), NT)   # ends at a barrier
+                    if XF and tile == u(0):
+                        stage_x_mx_pre(xs, x, tid, ku, mx, NT, f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11,
+                                       f12, f13, f14, f15)
+                    else:
+                        stage_x_mx(xs, x, tid, u32_mad(base, GROUP, 0), ku, mx, tile % u(2), NT)   # ends at a barrier
                 else:
                     stage_x(xs, x, tid, u32_mad(base, GROUP, 0), ku, col0, n_batch, NC, NCH, CS, NT)
                     cuda.syncthreads()
@@ -233,7 +252,7 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                     xo = u32_mad(u32_mad(p, W, wid), xst, xbb)
                     if MXD and not PROBE:
                         ta0, ta2 = acc_group_mxd(x0w, x1w, x2w, x3w, x4w, x5w, x6w, x7w, xea, xeb,
-                                                  xs, xo, scratch, ta0, ta2)
+                                                  xs, xo, scratch, ta0, ta2, SPL)
                     else:
                         acc0, acc1, acc2, acc3 = acc_group(
                             is_int4, PROBE, x0w, x1w, x2w, x3w, x4w, x5w, x6w, x7w, xza, xzb, xua, xub, xea, xeb,
@@ -246,7 +265,7 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                     xo = u32_mad(qy, xst, xbb)
                     if MXD and not PROBE:
                         ta0, ta2 = acc_group_mxd(y0w, y1w, y2w, y3w, y4w, y5w, y6w, y7w, yea, yeb,
-                                                  xs, xo, scratch, ta0, ta2)
+                                                  xs, xo, scratch, ta0, ta2, SPL)
                     else:
                         acc0, acc1, acc2, acc3 = acc_group(
                             is_int4, PROBE, y0w, y1w, y2w, y3w, y4w, y5w, y6w, y7w, yza, yzb, yua, yub, yea,
@@ -344,12 +363,15 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
 
 
 def launch(kind, packed, scales, zeros, x, out, bias, stream, prefetch=True, l2_ahead=0, probe=False, stages=0,
-           pdl=False, row_tiles=0, early_y=False):
+           pdl=False, row_tiles=0, early_y=False, split=None, x_first=None):
     """Shapes checked by ``qgemv._launch``; x, out 2-D; ``zeros`` None for MXFP4; ``l2_ahead`` and ``probe``
     as in ``make`` (the sweep's measurements). ``pdl``: programmatic dependent launch (``launch_pdl``): the
     kernel loads its first groups of W while the kernel before it on the stream finishes, and reads x, bias
     and ``out`` only after that kernel is done; the kernel before it must not write W, scales or zeros.
-    ``row_tiles``: 16-row tiles per block at batch 1 (1 to 7; 0: ``auto_row_tiles`` for this device)."""
+    ``row_tiles``: 16-row tiles per block at batch 1 (1 to 7; 0: ``auto_row_tiles`` for this device);
+    ``early_y``, ``split``, ``x_first``: as in ``make``; ``split`` None: where it applies (MXFP4 at batch 1 in
+    the register loop), ``x_first`` None: there too, in blocks of 4 or more row tiles (a thread holds one chunk
+    of x; with fewer it holds up to four, and ptxas spills) and without ``pdl``."""
     n, b, k = packed.shape[0], x.shape[0], 2 * packed.shape[1]
     if k % GROUP:
         raise ValueError(f"the mma route takes K in multiples of {GROUP}, got {k}")
@@ -367,8 +389,18 @@ def launch(kind, packed, scales, zeros, x, out, bias, stream, prefetch=True, l2_
                          f"(got batch {b}, prefetch {prefetch}, stages {stages}, l2_ahead {l2_ahead})")
     if early_y and not b1:
         raise ValueError("early_y takes batch 1 with prefetch, no cp.async ring and no L2 prefetch")
+    mxd = b1 and zeros is None
+    if split is None:
+        split = mxd
+    if x_first is None:
+        x_first = mxd and row_tiles >= 4 and not pdl
+    if split and not mxd:
+        raise ValueError("split takes MXFP4 at batch 1 with prefetch, no cp.async ring and no L2 prefetch")
+    if x_first and not (mxd and not pdl):
+        raise ValueError("x_first takes MXFP4 at batch 1 with prefetch, no cp.async ring, no L2 prefetch and "
+                         "no pdl (it reads x before W)")
     kern = make(kind, bias is not None, 1 if b == 1 else COLS, bool(prefetch), int(l2_ahead), bool(probe), int(stages),
-                int(row_tiles), bool(early_y))
+                int(row_tiles), bool(early_y), split=bool(split), x_first=bool(x_first))
     flat = [a.reshape(a.shape[0] * a.shape[1]) for a in (packed, scales, scales if zeros is None else zeros)]
     args = (*flat, x, x if bias is None else bias, out, n, b, k)
     grid, threads = (-(-n // (ROWS * row_tiles)), -(-b // COLS)), mh.THREADS * row_tiles
@@ -430,9 +462,11 @@ def _signatures():
     from .qgemv import INT4, MXFP4
     return ([(make(INT4, hb, nc).py_func, _sig(st, hb))
              for st, hb, nc in (("float16", False, 1), ("float16", True, 1), ("float32", False, 1), ("float16", False, COLS))]
-            + [(make(MXFP4, hb, nc).py_func, _sig("uint8", hb)) for hb, nc in ((False, 1), (True, 1), (False, COLS))]
+            + [(make(MXFP4, hb, nc, split=nc == 1).py_func, _sig("uint8", hb))
+               for hb, nc in ((False, 1), (True, 1), (False, COLS))]
             + [(make(INT4, False, 1, row_tiles=2).py_func, _sig("float16", False)),      # blocks of several row
-               (make(MXFP4, False, 1, row_tiles=7).py_func, _sig("uint8", False))])     # tiles (auto_row_tiles)
+               (make(MXFP4, False, 1, row_tiles=7, split=True, x_first=True).py_func,    # tiles (auto_row_tiles)
+                _sig("uint8", False))])
 
 
 SIGNATURES = _signatures()

@@ -50,11 +50,14 @@ def q4_pair(w, s, c):
 
 @cuda.jit(device=True, inline="always")
 def group_mma(is_int4, two, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, ca, cb, c2a, c2b, xs, xo0, xo1, xo2, xo3, scratch,
-           raw=False):
+           raw=False, split=False):
     """The 8 mma steps of one group: words a*w (row g) and b*w (row g + 8) of the lane's chunk, their
     per-row constants, the staged B pairs of word om at xs[xo_om ...] (4 words: b0, b1 of step h = 0, 1).
-    ``raw`` (MXFP4): the E2M1 codes enter the mma as value · 2^-126, the block scale left to the caller."""
+    ``raw`` (MXFP4): the E2M1 codes enter the mma as value · 2^-126, the block scale left to the caller.
+    ``split``: steps h = 1 accumulate into a second D, added to the first at the end (two dependency chains
+    of 4 mma each instead of one of 8)."""
     d0 = d1 = d2 = d3 = float32(0.0)
+    e0 = e1 = e2 = e3 = float32(0.0)
     for om in range(4):                       # word om of the chunk: values 8 om .. 8 om + 7
         wa = a0w if om == 0 else a1w if om == 1 else a2w if om == 2 else a3w
         wb = b0w if om == 0 else b1w if om == 1 else b2w if om == 2 else b3w
@@ -72,7 +75,12 @@ def group_mma(is_int4, two, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, ca, cb, c2a,
                 p2 = mx_pair(wa, 8 * h + 4, ca, c2a, two, raw)
                 p1 = mx_pair(wb, 8 * h, cb, c2b, two, raw)
                 p3 = mx_pair(wb, 8 * h + 4, cb, c2b, two, raw)
-            d0, d1, d2, d3 = mh.mma_bf16_16816(p0, p1, p2, p3, x0, x1, d0, d1, d2, d3, scratch)
+            if split and h == 1:
+                e0, e1, e2, e3 = mh.mma_bf16_16816(p0, p1, p2, p3, x0, x1, e0, e1, e2, e3, scratch)
+            else:
+                d0, d1, d2, d3 = mh.mma_bf16_16816(p0, p1, p2, p3, x0, x1, d0, d1, d2, d3, scratch)
+    if split:
+        return d0 + e0, d1 + e1, d2 + e2, d3 + e3
     return d0, d1, d2, d3
 
 
@@ -134,26 +142,76 @@ def stage_x_mx_words(xs, x, tid, t0, ku, ef, NT):
     block) as bf16 x · 2^(253 - ef) in the B-pair order of ``stage_x``; returns the thread's X_BIG carries
     (bits 15 and 31 set where some |x| >= 2^12)."""
     u = uint32
-    sc = (u(380) - ef) << u(7)             # bf16 2^c (exponent field c + 127), c = 253 - ef in [-1, 127]
-    sc = sc | (sc << u(16))
     big = u(0)
     for j in range(-(-X_CHUNKS // NT)):    # chunk c = tid + NT j: values t0 + 8c .. t0 + 8c + 7
         c = tid + u(NT * j)
-        kk = u32_add(t0, u(8) * c)
-        x0 = x1 = x2 = x3 = u(0)
         if X_CHUNKS % NT != 0 and c >= u(X_CHUNKS):   # (NT not dividing the tile's chunks: past the tile)
             break
-        if kk < ku:
-            x0, x1, x2, x3 = ld8_ro(x, (0, kk))
-        m = u(0x7FFF7FFF)
-        big = big | u32_add(x0 & m, u(X_BIG)) | u32_add(x1 & m, u(X_BIG)) | u32_add(x2 & m, u(X_BIG)) \
-            | u32_add(x3 & m, u(X_BIG))
-        r = c % u(16)
-        o = (c // u(16)) * u(64) + r * u(4)     # group, lane r // 4, word r % 4 (no rotation: see the kernel)
-        w0, w1, w2, w3 = b_pairs(x0, x1, x2, x3)
-        st4w(xs, o, mh.fma_bf16x2(w0, sc, u(0)), mh.fma_bf16x2(w1, sc, u(0)), mh.fma_bf16x2(w2, sc, u(0)),
-             mh.fma_bf16x2(w3, sc, u(0)))
+        x0, x1, x2, x3 = x_chunk(x, c, t0, ku)
+        big = big | store_x_chunk(xs, c, x0, x1, x2, x3, ef)
     return big & u(0x80008000)
+
+
+@cuda.jit(device=True, inline="always")
+def x_chunk(x, c, t0, ku):
+    """Chunk c of the x tile at K index t0: 8 bf16 values as four words (zeros past K)."""
+    kk = u32_add(t0, uint32(8) * c)
+    x0 = x1 = x2 = x3 = uint32(0)
+    if kk < ku:
+        x0, x1, x2, x3 = ld8_ro(x, (0, kk))
+    return x0, x1, x2, x3
+
+
+@cuda.jit(device=True, inline="always")
+def store_x_chunk(xs, c, x0, x1, x2, x3, ef):
+    """Chunk c's words stored as bf16 x · 2^(253 - ef) in the B-pair order of ``stage_x``; returns its X_BIG
+    carries (bits 15 and 31 among others: the caller masks)."""
+    u = uint32
+    sc = (u(380) - ef) << u(7)             # bf16 2^c (exponent field c + 127), c = 253 - ef in [-1, 127]
+    sc = sc | (sc << u(16))
+    m = u(0x7FFF7FFF)
+    big = u32_add(x0 & m, u(X_BIG)) | u32_add(x1 & m, u(X_BIG)) | u32_add(x2 & m, u(X_BIG)) \
+        | u32_add(x3 & m, u(X_BIG))
+    r = c % u(16)
+    o = (c // u(16)) * u(64) + r * u(4)     # group, lane r // 4, word r % 4 (no rotation: see the kernel)
+    w0, w1, w2, w3 = b_pairs(x0, x1, x2, x3)
+    st4w(xs, o, mh.fma_bf16x2(w0, sc, u(0)), mh.fma_bf16x2(w1, sc, u(0)), mh.fma_bf16x2(w2, sc, u(0)),
+         mh.fma_bf16x2(w3, sc, u(0)))
+    return big
+
+
+@cuda.jit(device=True, inline="always")
+def x_first_words(x, tid, ku, NT):
+    """The thread's chunks (tid + NT j, j < 4) of the first x tile, loaded ahead of W (``stage_x_mx_pre``);
+    NT >= 128, so a thread has at most 4. Zeros past the tile or K."""
+    u = uint32
+    a0 = a1 = a2 = a3 = u(0)
+    if X_CHUNKS >= NT or tid < u(X_CHUNKS):
+        a0, a1, a2, a3 = x_chunk(x, tid, u(0), ku)
+    b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = d0 = d1 = d2 = d3 = u(0)
+    if X_CHUNKS > NT and tid + u(NT) < u(X_CHUNKS):
+        b0, b1, b2, b3 = x_chunk(x, tid + u(NT), u(0), ku)
+    if X_CHUNKS > 2 * NT and tid + u(2 * NT) < u(X_CHUNKS):
+        c0, c1, c2, c3 = x_chunk(x, tid + u(2 * NT), u(0), ku)
+    if X_CHUNKS > 3 * NT and tid + u(3 * NT) < u(X_CHUNKS):
+        d0, d1, d2, d3 = x_chunk(x, tid + u(3 * NT), u(0), ku)
+    return a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3
+
+
+@cuda.jit(device=True, inline="always")
+def stage_x_mx_pre(xs, x, tid, ku, mx, NT, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3):
+    """``stage_x_mx`` of the first tile (slot 0) from the words of ``x_first_words``."""
+    u = uint32
+    big = u(0)
+    if X_CHUNKS >= NT or tid < u(X_CHUNKS):
+        big = big | store_x_chunk(xs, tid, a0, a1, a2, a3, u(X_EF))
+    if X_CHUNKS > NT and tid + u(NT) < u(X_CHUNKS):
+        big = big | store_x_chunk(xs, tid + u(NT), b0, b1, b2, b3, u(X_EF))
+    if X_CHUNKS > 2 * NT and tid + u(2 * NT) < u(X_CHUNKS):
+        big = big | store_x_chunk(xs, tid + u(2 * NT), c0, c1, c2, c3, u(X_EF))
+    if X_CHUNKS > 3 * NT and tid + u(3 * NT) < u(X_CHUNKS):
+        big = big | store_x_chunk(xs, tid + u(3 * NT), d0, d1, d2, d3, u(X_EF))
+    stage_x_mx_rest(xs, x, tid, u(0), ku, mx, u(0), NT, big & u(0x80008000))
 
 
 @cuda.jit(device=True, inline="always")
@@ -164,8 +222,14 @@ def stage_x_mx(xs, x, tid, t0, ku, mx, slot, NT):
     some thread saw a larger one); otherwise the tile is staged again with c = 253 - (exponent field of its
     largest |x|) so that the largest lands below 2^127. ``mx[slot]``: the tile's exponent source, X_EF << 7
     unless raised by the second pass (reset by the previous tile)."""
+    stage_x_mx_rest(xs, x, tid, t0, ku, mx, slot, NT, stage_x_mx_words(xs, x, tid, t0, ku, uint32(X_EF), NT))
+
+
+@cuda.jit(device=True, inline="always")
+def stage_x_mx_rest(xs, x, tid, t0, ku, mx, slot, NT, big):
+    """``stage_x_mx`` after the fixed-scale pass (``big``: the thread's carries): its barrier, and the second
+    pass where some |x| of the tile is large."""
     u = uint32
-    big = stage_x_mx_words(xs, x, tid, t0, ku, u(X_EF), NT)
     again = cuda.syncthreads_or(int32(big != u(0)))
     if tid == u(0):
         mx[u(1) - slot] = int32(X_EF << 7)   # reset the other slot for the next tile
@@ -185,14 +249,14 @@ def stage_x_mx(xs, x, tid, t0, ku, mx, slot, NT):
 
 
 @cuda.jit(device=True, inline="always")
-def acc_group_mxd(a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, ea, eb, xs, xo, scratch, acc0, acc2):
+def acc_group_mxd(a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, ea, eb, xs, xo, scratch, acc0, acc2, split=False):
     """B = 1, MXFP4: one group through the mma with the codes as value · 2^-126 and x staged so that D
     column 2t holds MX block t alone (the lane's own block); the lane scales its D by 2^(e - 127) (fp32,
     e = 0 a subnormal). Returns the row g and row g + 8 accumulators."""
     u = uint32
     xi = int64(xo)                         # 64-bit: the four loads share one address (immediate offsets)
     d0, d1, d2, d3 = group_mma(False, False, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, u(0), u(0), u(0), u(0),
-                            xs, xi, xi + int64(4), xi + int64(8), xi + int64(12), scratch, True)
+                            xs, xi, xi + int64(4), xi + int64(8), xi + int64(12), scratch, True, split)
     acc0 += d0 * u32_as_f32(max(ea << u(23), u(0x400000)))
     acc2 += d2 * u32_as_f32(max(eb << u(23), u(0x400000)))
     return acc0, acc2

@@ -175,6 +175,31 @@ def test_qgemv_mma_early_y_same_bits(stream, rng, kind, n, k, bias, row_tiles):
     assert np.array_equal(got[0], got[1])
 
 
+@pytest.mark.parametrize("n,k,bias,row_tiles", [(I, H, False, 0), (H, I, True, 4)])
+def test_qgemv_mma_mxfp4_chains_and_x_first(stream, rng, n, k, bias, row_tiles):
+    """MXFP4 at batch 1, the four loops of ``mma_split`` x ``mma_x_first``: each close to the reference; x
+    loaded first changes no arithmetic, so the same bits as x after W (at x in one tile and in four)."""
+    from numba import cuda
+    x = to_dev(f32_to_bf16(rng.standard_normal((1, k), dtype=np.float32)), stream)
+    bbh = f32_to_bf16(rng.standard_normal(n, dtype=np.float32)) if bias else None
+    bb = to_dev(bbh, stream) if bias else None
+    qw = _quantized("mxfp4", n, k)
+    parts = [to_dev(a, stream) for a in qw]
+    xh = get(x, stream)
+    ref = qgemv.reference_mxfp4(*qw, xh, bbh)
+    got = {}
+    for split in (False, True):
+        for first in (False, True):
+            out = cuda.device_array((1, n), np.uint16, stream=stream)
+            qgemv.qgemv_mxfp4(*parts, x, out, bias=bb, stream=stream,
+                              config=qgemv.QgemvConfig(route="mma", mma_row_tiles=row_tiles, mma_split=split,
+                                                       mma_x_first=first))
+            got[split, first] = get(out, stream)
+            assert_close(got[split, first], dequantize_mxfp4(*qw), xh, bbh, ref)
+    for split in (False, True):
+        assert np.array_equal(got[split, False], got[split, True])
+
+
 @pytest.mark.parametrize("n,k,bias", [(I, H, False), (H, I, True)])
 def test_qgemv_mx16_route(stream, rng, n, k, bias):
     """MXFP4 at batch 1 on f16 tensor cores (kernels/qgemv_mx16.py) at Llama-8B MLP shapes: x staged in one

@@ -274,6 +274,49 @@ def test_qgemv_mma_row_tiles_share_one_staging(kind, n, k, row_tiles, bias, outl
     assert np.all(np.abs(got.astype(np.int32) - ref.astype(np.int32)) <= 1)
 
 
+@pytest.mark.parametrize("row_tiles,split,x_first", [
+    (4, None, None),      # the defaults at 4 row tiles: two mma chains, x loaded first (one chunk per thread)
+    (7, None, None),      # 896 threads: threads 512 and up hold no chunk of x
+    (4, False, False),    # one chain, x after W (the loop before both options)
+    (2, True, True),      # x first at 2 row tiles: two chunks per thread
+])
+def test_qgemv_mma_mxfp4_chains_and_x_first(row_tiles, split, x_first):
+    """MXFP4 at batch 1: a group's mma steps in two dependency chains (``mma_split``) and the first x tile
+    loaded ahead of W (``mma_x_first``) give the reference's bits, across a second x tile staged again at its
+    own scale (K 4608, |x| >= 2^12 there) and a last row tile past N."""
+    rng = np.random.default_rng(row_tiles)
+    n, k = 72, 4608
+    xf = rng.standard_normal((1, k)).astype(np.float32)
+    xf[0, 4096 + 9] = -3e5
+    x = f32_to_bf16(xf)
+    qw = quantize_mxfp4((rng.standard_normal((n, k)) * 0.05).astype(np.float32))
+    out = cuda.device_array((1, n), np.uint16)
+    cfg = qgemv.QgemvConfig(route="mma", mma_row_tiles=row_tiles, mma_split=split, mma_x_first=x_first)
+    qgemv.qgemv_mxfp4(dev(qw.packed), dev(qw.scales), dev(x), out, config=cfg)
+    got = out.copy_to_host()
+    check(got, dequantize_mxfp4(*qw), x, None)
+    assert np.all(np.abs(got.astype(np.int32) - qgemv.reference_mxfp4(*qw, x, None).astype(np.int32)) <= 1)
+
+
+def test_qgemv_mma_mxfp4_options_checked():
+    """``mma_split`` and ``mma_x_first`` are options of MXFP4 at batch 1; x first reads x before W, so not
+    with programmatic dependent launch."""
+    qm = quantize_mxfp4(np.random.default_rng(3).standard_normal((20, 256)).astype(np.float32))
+    x = f32_to_bf16(np.ones((1, 256), np.float32))
+    out = cuda.device_array((1, 20), np.uint16)
+    with pytest.raises(ValueError, match="no pdl"):
+        qgemv.qgemv_mxfp4(dev(qm.packed), dev(qm.scales), dev(x), out,
+                          config=qgemv.QgemvConfig(route="mma", pdl=True, mma_x_first=True))
+    qw, xi, _, outi = int4_case(7, 20, 256, 1, False, np.float16)
+    with pytest.raises(ValueError, match="split takes MXFP4"):
+        qgemv.qgemv_int4(dev(qw.packed), dev(qw.scales), dev(qw.zeros), dev(xi), outi,
+                         config=qgemv.QgemvConfig(route="mma", mma_split=True))
+    x2 = np.concatenate([x, x])
+    with pytest.raises(ValueError, match="x_first takes MXFP4 at batch 1"):
+        qgemv.qgemv_mxfp4(dev(qm.packed), dev(qm.scales), dev(x2), cuda.device_array((2, 20), np.uint16),
+                          config=qgemv.QgemvConfig(route="mma", mma_x_first=True))
+
+
 def test_qgemv_mma_row_tiles_checked():
     """``mma_row_tiles`` is 0 (auto) or 1 to 7, and more than 1 only at batch 1 (the register loop); so is
     ``mma_early_y``."""
