@@ -59,8 +59,8 @@ class QgemvConfig:
     mma_stages: int = 0      # mma route: > 1: W through a per-warp cp.async ring of this many groups (3, 4 or 5)
     mma_row_tiles: int = 0   # mma route, batch 1: 16-row tiles per block sharing one staging of x (1 to 7;
                              # 0: picked for the device's SM count, ``qgemv_mma.auto_row_tiles``: 7 at N 14336
-                             # on 132 SMs; there, on an H100, MXFP4 3-4 % and int4 10-13 % faster than 1,
-                             # docs/BENCHMARKS.md)
+                             # on 132 SMs; there, on an H100, int4 10-13 % faster than 1 and MXFP4, with
+                             # ``mma_split`` and ``mma_x_first``, within 1 %, docs/BENCHMARKS.md)
     mma_early_y: bool = False  # mma route, batch 1: load each pair's second group one step earlier (the first
                              # before x is staged): two groups in flight from the start
     mma_split: bool | None = None  # mma route, MXFP4 at batch 1: each group's 8 mma steps as two dependency
