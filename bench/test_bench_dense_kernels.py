@@ -88,6 +88,26 @@ def device_seconds(g, benchmark=None, n=N_PER_GRAPH, rounds=ROUNDS):
     return float(np.median(times))
 
 
+def interleaved_seconds(graphs, rounds):
+    """{name: (graph, launches)} -> {name: [device seconds per launch, one per round]}: every graph replayed
+    once first, then ``rounds`` rounds of one replay each in turn, timed by CUDA events (drift in clocks or
+    temperature falls on all of them alike)."""
+    torch = _torch()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = {k: [] for k in graphs}
+    for g, _ in graphs.values():
+        g.replay()
+    torch.cuda.synchronize()
+    for _ in range(rounds):
+        for key, (g, n) in graphs.items():
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            times[key].append(start.elapsed_time(end) * 1e-3 / n)
+    return times
+
+
 @pytest.fixture(scope="module")
 def copy_ceiling():
     """Device copy bandwidth of this run (read + write counted): torch copy_, and a Numba copy kernel."""

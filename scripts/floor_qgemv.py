@@ -23,7 +23,7 @@ import torch
 from numba import cuda, uint32
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-from test_bench_dense_kernels import capture, nb  # noqa: E402
+from test_bench_dense_kernels import capture, interleaved_seconds, nb  # noqa: E402
 
 from vmmstream.kernels import mma_helpers as mh, qgemv, qgemv_mma  # noqa: E402
 from vmmstream.kernels.dtypes import bf16_to_f32  # noqa: E402
@@ -149,18 +149,7 @@ def main(out):
         same[name + " max abs diff vs rt 1"] = float(d)
     print("early_y bit-equal:", same, flush=True)
 
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = {k: [] for k in graphs}
-    for g, _, _ in graphs.values():
-        g.replay()
-    torch.cuda.synchronize()
-    for _ in range(ROUNDS):
-        for k, (g, _, n) in graphs.items():
-            start.record()
-            g.replay()
-            end.record()
-            end.synchronize()
-            times[k].append(start.elapsed_time(end) * 1e-3 / n)
+    times = interleaved_seconds({k: (g, n) for k, (g, _, n) in graphs.items()}, ROUNDS)
     ceil = 2 * big.numel() / float(np.median(times["copy 256 MiB (ceiling)"])) / 1e9
     rows = []
     dev = torch.cuda.get_device_name()

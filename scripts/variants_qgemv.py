@@ -21,7 +21,7 @@ import torch
 from numba import cuda
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-from test_bench_dense_kernels import capture, nb  # noqa: E402
+from test_bench_dense_kernels import capture, interleaved_seconds, nb  # noqa: E402
 
 from vmmstream.kernels import mma_helpers as mh, qgemv, qgemv_mma  # noqa: E402
 from vmmstream.kernels.dtypes import bf16_to_f32  # noqa: E402
@@ -81,18 +81,7 @@ def main(out, specs):
             diffs[f"{name} vs {group[0][0]}"] = float(np.abs(bf16_to_f32(y.copy_to_host()) - ref).max())
     print("max abs diff:", diffs, flush=True)
 
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = {k: [] for k in graphs}
-    for g, _, _ in graphs.values():
-        g.replay()
-    torch.cuda.synchronize()
-    for _ in range(ROUNDS):
-        for key, (g, _, n) in graphs.items():
-            start.record()
-            g.replay()
-            end.record()
-            end.synchronize()
-            times[key].append(start.elapsed_time(end) * 1e-3 / n)
+    times = interleaved_seconds({k: (g, n) for k, (g, _, n) in graphs.items()}, ROUNDS)
     ceil = 2 * big.numel() / float(np.median(times["copy 256 MiB (ceiling)"])) / 1e9
     dev = torch.cuda.get_device_name()
     print(f"\n{dev}, {cuda.get_current_device().MULTIPROCESSOR_COUNT} SMs; copy ceiling {ceil:.0f} GB/s; "
