@@ -64,7 +64,7 @@ class QgemvConfig:
     mma_early_y: bool = False  # mma route, batch 1: load each pair's second group one step earlier (the first
                              # before x is staged): two groups in flight from the start
     mma_split: bool | None = None  # mma route, MXFP4 at batch 1: each group's 8 mma steps as two dependency
-                             # chains of 4 (None: there; on an H100 3.7 % faster at 7 row tiles, docs/BENCHMARKS.md)
+                             # chains of 4 (None: there; on an H100 at 7 row tiles 3.7 % faster, docs/BENCHMARKS.md)
     mma_x_first: bool | None = None  # mma route, MXFP4 at batch 1: the first x tile loaded before W (None: in
                              # blocks of 4 or more row tiles without pdl; True with pdl is refused)
     pdl: bool = False        # mma route: programmatic dependent launch (loads W while the previous kernel on the

@@ -40,7 +40,7 @@ the instructions per value low:
   the tile's sum is taken back by 2^-c. A group's 8 mma steps there run as two dependency chains of 4 (steps
   h = 0 and h = 1 into two D, added at the end), and in blocks of 4 or more row tiles each thread loads its
   chunk of the first x tile before W's first loads, so that the staging does not wait behind them
-  (``split``, ``x_first``; on an H100 together 5 % faster, docs/BENCHMARKS.md).
+  (``split``, ``x_first``; on an H100 together 2-5 % faster, docs/BENCHMARKS.md).
 
 Contract beyond the scalar route's: K a multiple of 128; int4 zero points integers in [0, 15]
 (``quantize_int4`` makes them so; a fractional zero would be rounded to bf16). Capture-safe; no workspace.
