@@ -39,8 +39,9 @@ the instructions per value low:
   tile is below 2^12, found in the staging's own barrier (``bar.red.or``), else from the tile's largest |x|;
   the tile's sum is taken back by 2^-c. A group's 8 mma steps there run as two dependency chains of 4 (steps
   h = 0 and h = 1 into two D, added at the end), and in blocks of 4 or more row tiles each thread loads its
-  chunk of the first x tile before W's first loads, so that the staging does not wait behind them
-  (``split``, ``x_first``; on an H100 together 2-5 % faster, docs/BENCHMARKS.md).
+  chunk of the first x tile in the same burst as W's first loads, so that the staging does not wait behind
+  them (``split``, ``x_first``; on an H100, in three runs, from 5 % faster to 0.6 % slower together, and the
+  compute side alone unchanged: docs/BENCHMARKS.md).
 
 Contract beyond the scalar route's: K a multiple of 128; int4 zero points integers in [0, 15]
 (``quantize_int4`` makes them so; a fractional zero would be rounded to bf16). Capture-safe; no workspace.
@@ -89,7 +90,8 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
     memory carveout preference (``cuda.jit``'s ``shared_memory_carveout``; None: the driver's default).
     ``split`` (MXFP4, the batch-1 loop): each group's 8 mma steps as two dependency chains of 4 (``launch``
     takes it there by default). ``x_first`` (MXFP4, the batch-1 loop; a launch without ``pdl``): the first x
-    tile's loads issued before W's, held in registers (up to 4 chunks of 16 bytes) until it is staged."""
+    tile's loads written before W's (ptxas issues them among W's first loads), held in registers (up to 4
+    chunks of 16 bytes) until it is staged."""
     from .qgemv import INT4, _ld16_ro
     MS0, MS1 = mh.SIM_MMA_SCRATCH          # simulator-only scratch (1 x 1 on the GPU)
     QS = mh.SIM_RED_SCRATCH
@@ -210,7 +212,7 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
             qsa, qsb = lane_ptr(scales, int64(sa0)), lane_ptr(scales, int64(sb0))
             n_tiles = (ng + u(TG - 1)) // u(TG)
             ti = u(u32_add(min(u(TG), ng), 3) >> u(2))         # the tile's groups per warp
-            if XF:           # the first x tile's loads ahead of W's (read before any W load is issued)
+            if XF:           # the first x tile's loads ahead of W's in the PTX (ptxas issues them in W's first burst)
                 f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15 = x_first_words(x, tid, ku, NT)
             gx = min(wid, ng1)
             x0w, x1w, x2w, x3w, x4w, x5w, x6w, x7w, xza, xzb, xua, xub, xea, xeb = b1_set(
