@@ -89,6 +89,13 @@ def test_bench_qgemv_mxfp4_bandwidth_one_chain(benchmark, copy_ceiling):
     _mxfp4_bandwidth(benchmark, copy_ceiling, "mma", True, 0, 0, pdl=False, split=False, x_first=False)
 
 
+@pytest.mark.parametrize("row_tiles", [0, 1], ids=["auto", "rt1"])
+def test_bench_qgemv_mxfp4_bandwidth_imma(benchmark, copy_ceiling, row_tiles):
+    """The batch-1 GEMV on integer tensor cores (``kernels/qgemv_imma.py``, opt-in; W in its nibble layout, x
+    rounded per block of 32 to 14 bits), a plain launch: comparable with the mma route's single-launch figure."""
+    _mxfp4_bandwidth(benchmark, copy_ceiling, "imma", True, 0, row_tiles, pdl=False)
+
+
 def _mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages, row_tiles, pdl, early_y=False, split=None,
                      x_first=None):
     torch = _torch()
@@ -97,9 +104,19 @@ def _mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages, row_tiles
     x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(1, I, device="cuda", dtype=torch.bfloat16)
     dparts = [nb(torch.from_numpy(np.ascontiguousarray(a)).cuda()) for a in qw]
-    cfg = qgemv.QgemvConfig(route=route, mma_prefetch=prefetch, mma_stages=stages, mma_row_tiles=row_tiles,
-                            pdl=pdl, mma_early_y=early_y, mma_split=split, mma_x_first=x_first)
-    t = device_seconds(capture(lambda s: qgemv.qgemv_mxfp4(*dparts, nb(x), nb(out), stream=s, config=cfg)), benchmark)
+    if route == "imma":                  # its own kernel and weight layout (not a qgemv route)
+        from vmmstream.kernels import qgemv_imma
+        wl = nb(torch.from_numpy(qgemv_imma.weights_layout(qw.packed)).cuda())
+
+        def call(s):
+            qgemv_imma.launch(wl, dparts[1], nb(x), nb(out), None, s, row_tiles=row_tiles)
+    else:
+        cfg = qgemv.QgemvConfig(route=route, mma_prefetch=prefetch, mma_stages=stages, mma_row_tiles=row_tiles,
+                                pdl=pdl, mma_early_y=early_y, mma_split=split, mma_x_first=x_first)
+
+        def call(s):
+            qgemv.qgemv_mxfp4(*dparts, nb(x), nb(out), stream=s, config=cfg)
+    t = device_seconds(capture(call), benchmark)
     benchmark.extra_info.update(route=route, mma_prefetch=prefetch, mma_stages=stages, mma_row_tiles=row_tiles,
                                 pdl=pdl, mma_early_y=early_y, mma_split=split, mma_x_first=x_first)
     nbytes = sum(a.nbytes for a in qw) + 2 * H + 2 * I

@@ -336,3 +336,130 @@ else:
         return _mma_f16(np.uint32(a0), np.uint32(a1), np.uint32(a2), np.uint32(a3),
                         np.uint32(b0), np.uint32(b1),
                         np.float32(c0), np.float32(c1), np.float32(c2), np.float32(c3))
+
+
+# ------------------------------------------------------------------------------------------------ int8
+# Helpers of the batch-1 MXFP4 GEMV on integer tensor cores (``kernels/qgemv_imma.py``):
+#   prmt(a, b, c)       ``prmt.b32`` default mode: byte i of the result is byte c[4i+2..4i] of {b, a} (a: bytes
+#                       0-3, b: 4-7), or that byte's sign bit repeated over all 8 bits where c[4i+3] is set
+#   imma_s8_16832       ``mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32``, D = A · B + C exactly (int32), with
+#                       lane (g, t): a0 (row g, k 4t..4t+3), a1 (row g+8, same k), a2 (row g, k 4t+16..4t+19),
+#                       a3 (row g+8, those k); b0 (k 4t..4t+3, col g), b1 (k 4t+16..4t+19, col g); c0, c1 (row
+#                       g, cols 2t, 2t+1), c2, c3 (row g+8); the lowest byte of a register holds the lowest k.
+
+if config.ENABLE_CUDASIM:
+    def _prmt(a, b, c):
+        src = int(a) | (int(b) << 32)
+        c = int(c)
+        out = 0
+        for i in range(4):
+            s = (c >> (4 * i)) & 0xF
+            v = (src >> (8 * (s & 7))) & 0xFF
+            if s & 8:
+                v = 0xFF if v & 0x80 else 0
+            out |= v << (8 * i)
+        return np.uint32(out)
+
+    @cuda.jit(device=True, inline="always")
+    def prmt(a, b, c):
+        return _prmt(a, b, c)
+
+    _I8_A_ROW = np.broadcast_to((np.arange(32) >> 2)[:, None, None] + 8 * (np.arange(4) & 1)[None, :, None], (32, 4, 4))
+    _I8_A_COL = np.broadcast_to(4 * (np.arange(32) & 3)[:, None, None] + 16 * (np.arange(4) >> 1)[None, :, None]
+                                + np.arange(4)[None, None, :], (32, 4, 4))
+    _I8_B_K = np.broadcast_to(4 * (np.arange(32) & 3)[:, None, None] + 16 * np.arange(2)[None, :, None]
+                              + np.arange(4)[None, None, :], (32, 2, 4))
+    _I8_B_N = np.broadcast_to((np.arange(32) >> 2)[:, None, None], (32, 2, 4))
+
+    def _s8_bytes(words):
+        w = np.asarray(words, dtype=np.float64).astype(np.int64).astype(np.uint32)
+        return np.ascontiguousarray(w).view(np.int8).reshape(w.shape + (4,)).astype(np.int64)
+
+    def _warp_imma(frags):
+        a, b, c = np.zeros((16, 32), np.int64), np.zeros((32, 8), np.int64), np.zeros((16, 8), np.int64)
+        a[_I8_A_ROW, _I8_A_COL] = _s8_bytes(frags[:, 0:4])
+        b[_I8_B_K, _I8_B_N] = _s8_bytes(frags[:, 4:6])
+        c[_C_ROW, _C_COL] = frags[:, 6:10].astype(np.int64)
+        d = a @ b + c
+        return ((d + 2 ** 31) % 2 ** 32 - 2 ** 31)[_C_ROW, _C_COL]
+
+    @cuda.jit(device=True, inline="always")
+    def quad_max_u32(v, scratch):
+        """Max of a uint32 over the 4 lanes 4g..4g+3 (``scratch``: int32, one per thread)."""
+        tid = cuda.threadIdx.x
+        scratch[tid] = np.int32(np.uint32(v))
+        cuda.syncthreads()
+        q = tid & ~3
+        r = max(np.uint32(scratch[q + i]) for i in range(4))
+        cuda.syncthreads()
+        return np.uint32(r)
+
+    @cuda.jit(device=True, inline="always")
+    def quad_sum_i32(v, scratch):
+        """Sum of an int32 over the 4 lanes 4g..4g+3 (``scratch``: int32, one per thread)."""
+        tid = cuda.threadIdx.x
+        scratch[tid] = np.int32(v)
+        cuda.syncthreads()
+        q = tid & ~3
+        r = sum(int(scratch[q + i]) for i in range(4))
+        cuda.syncthreads()
+        return np.int32((r + 2 ** 31) % 2 ** 32 - 2 ** 31)         # int32 arithmetic wraps
+
+    @cuda.jit(device=True, inline="always")
+    def imma_s8_16832(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch):
+        tid = cuda.threadIdx.x
+        for i, r in enumerate((a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)):
+            scratch[tid, i] = r
+        cuda.syncthreads()
+        if tid % 32 == 0:
+            scratch[tid:tid + 32, 10:14] = _warp_imma(scratch[tid:tid + 32, 0:10])
+        cuda.syncthreads()
+        d = [np.int32(scratch[tid, 10 + i]) for i in range(4)]
+        return d[0], d[1], d[2], d[3]
+
+else:
+    @intrinsic
+    def _prmt(typingctx, a, b, c):
+        sig = types.uint32(types.uint32, types.uint32, types.uint32)
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i32] * 3), "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r")
+            return builder.call(asm, list(args))
+        return sig, codegen
+
+    @cuda.jit(device=True, inline="always")
+    def prmt(a, b, c):
+        return _prmt(np.uint32(a), np.uint32(b), np.uint32(c))
+
+    @intrinsic
+    def _imma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        u, i = types.uint32, types.int32
+        sig = types.UniTuple(i, 4)(u, u, u, u, u, u, i, i, i, i)
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32] * 10)
+            asm = ir.InlineAsm(fnty, "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
+                                     "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
+                               "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r")
+            res = builder.call(asm, list(args))
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, k) for k in range(4)])
+        return sig, codegen
+
+    @cuda.jit(device=True, inline="always")
+    def quad_max_u32(v, scratch):
+        v = np.uint32(v)
+        v = max(v, np.uint32(cuda.shfl_xor_sync(0xFFFFFFFF, np.int32(v), 1)))
+        return max(v, np.uint32(cuda.shfl_xor_sync(0xFFFFFFFF, np.int32(v), 2)))
+
+    @cuda.jit(device=True, inline="always")
+    def quad_sum_i32(v, scratch):
+        v = np.int32(v)
+        v = np.int32(v + cuda.shfl_xor_sync(0xFFFFFFFF, v, 1))
+        return np.int32(v + cuda.shfl_xor_sync(0xFFFFFFFF, v, 2))
+
+    @cuda.jit(device=True, inline="always")
+    def imma_s8_16832(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch):
+        return _imma(np.uint32(a0), np.uint32(a1), np.uint32(a2), np.uint32(a3), np.uint32(b0), np.uint32(b1),
+                     np.int32(c0), np.int32(c1), np.int32(c2), np.int32(c3))

@@ -6,8 +6,9 @@ the first variant's (max abs difference).
     python scripts/variants_qgemv.py OUT.json 'NAME:{"row_tiles": 1}' 'NAME2:{"row_tiles": 1, "split": True}' ...
 
 A spec is NAME:DICT, DICT a Python literal of ``make`` keyword arguments plus, consumed here, ``kind``
-("mxfp4" | "int4", default mxfp4), ``k`` (default 4096; N is 14336) and ``mode`` ("full" | "compute": every
-block on the same 16 rows, the loads L1 hits).
+("mxfp4" | "int4", default mxfp4), ``k`` (default 4096; N is 14336), ``mode`` ("full" | "compute": every
+block on the same 16 rows, the loads L1 hits) and ``route`` ("mma", the default, or "imma": MXFP4 on the integer
+tensor cores, ``qgemv_imma.make``, whose only option is ``row_tiles``).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from numba import cuda
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 from test_bench_dense_kernels import capture, interleaved_seconds, nb  # noqa: E402
 
-from vmmstream.kernels import mma_helpers as mh, qgemv, qgemv_mma  # noqa: E402
+from vmmstream.kernels import mma_helpers as mh, qgemv, qgemv_imma, qgemv_mma  # noqa: E402
 from vmmstream.kernels.dtypes import bf16_to_f32  # noqa: E402
 from vmmstream.kernels.quant import quantize_int4, quantize_mxfp4  # noqa: E402
 
@@ -50,21 +51,29 @@ def main(out, specs):
     for spec in specs:
         name, kw = parse(spec)
         kind, k, mode = kw.pop("kind", "mxfp4"), int(kw.pop("k", H)), kw.pop("mode", "full")
+        route = kw.pop("route", "mma")
         if (kind, k) not in weights:
             qw = (quantize_mxfp4 if kind == "mxfp4" else quantize_int4)(np.ascontiguousarray(w[:, :k]))
             parts = [nb(torch.from_numpy(np.ascontiguousarray(a)).cuda()) for a in qw]
             zr = parts[2] if kind == "int4" else parts[1]
             weights[kind, k] = [a.reshape(a.shape[0] * a.shape[1]) for a in (parts[0], parts[1], zr)]
+            if kind == "mxfp4":
+                nib = nb(torch.from_numpy(qgemv_imma.weights_layout(qw.packed)).cuda())
+                weights["imma", k] = [nib.reshape(nib.shape[0] * nib.shape[1]), weights[kind, k][1]]
             nbytes[kind, k] = sum(a.nbytes for a in qw) + 2 * k + 2 * N
             if kind == "mxfp4" and k == H:   # a device copy of this GEMV's byte count (half read, half written)
                 src = torch.empty(nbytes[kind, k] // 2, dtype=torch.uint8, device="cuda").random_(0, 255)
                 dst = torch.empty_like(src)
                 graphs["copy of the MXFP4 GEMV's bytes"] = (capture(lambda s: dst.copy_(src)), 2 * src.numel(), 20)
-        kern = qgemv_mma.make(qgemv.MXFP4 if kind == "mxfp4" else qgemv.INT4, False, 1, **kw)
         rt = kw.get("row_tiles", 1)
         x = nb(xt[:, :k].contiguous())
         y = nb(torch.empty(1, N, device="cuda", dtype=torch.bfloat16))
-        args = (*weights[kind, k], x, x, y, 16 if mode == "compute" else N, 1, k)
+        if route == "imma":
+            kern = qgemv_imma.make(False, rt)
+            args = (*weights["imma", k], x, x.reshape(k), y, 16 if mode == "compute" else N, k)
+        else:
+            kern = qgemv_mma.make(qgemv.MXFP4 if kind == "mxfp4" else qgemv.INT4, False, 1, **kw)
+            args = (*weights[kind, k], x, x, y, 16 if mode == "compute" else N, 1, k)
         grid = (-(-N // (16 * rt)), 1)
 
         def fn(s, kern=kern, args=args, grid=grid, rt=rt):

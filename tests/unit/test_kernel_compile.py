@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-KERNEL_MODULES = ["gemv", "qgemv", "qgemv_mma", "qgemv_mx16", "gemm", "qgemm", "expert_gather", "norm", "rope", "elementwise", "embedding", "sampling", "scalars", "moe"]
+KERNEL_MODULES = ["gemv", "qgemv", "qgemv_mma", "qgemv_mx16", "qgemv_imma", "gemm", "qgemm", "expert_gather", "norm", "rope", "elementwise", "embedding", "sampling", "scalars", "moe"]
 # Written elsewhere; checked the same way as soon as they exist.
 OPTIONAL_MODULES = ["attention_prefill", "attention_decode"]
 CC = (9, 0)
@@ -86,3 +86,14 @@ def test_device_helpers_emit_vector_memory_ops():
     assert "ld.global.nc.v4.u32" in ptx and "shfl.sync.bfly" in ptx
     ptx, _ = cuda.compile_ptx(*norm.SIGNATURES[0], cc=CC)
     assert "st.global.v4.u32" in ptx and "ld.global.v4.u32" in ptx
+
+
+def test_integer_gemv_emits_imma_and_prmt():
+    """The integer-tensor-core GEMV's two instructions are there: ``mma.sync`` m16n8k32 on s8 (8 per loop step of
+    two groups) and ``prmt`` (the E2M1 table lookups)."""
+    _require_compiler()
+    from numba import cuda
+    from vmmstream.kernels import qgemv_imma
+    ptx, _ = cuda.compile_ptx(*qgemv_imma.SIGNATURES[0], cc=CC)
+    assert ptx.count("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32") == 8
+    assert "prmt.b32" in ptx
