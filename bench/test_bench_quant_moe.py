@@ -30,9 +30,11 @@ _R = [("simt", True, 0, 1), ("mma", True, 0, 0), ("mma", True, 0, 1), ("mma", Fa
       ("mma", True, 4, 1), ("mma", True, 5, 1)]
 _IDS = ["simt", "mma", "mma-rt1", "mma-noprefetch", "mma-cpasync3", "mma-cpasync4", "mma-cpasync5"]
 ROUTES = pytest.mark.parametrize("route,prefetch,stages,row_tiles", _R, ids=_IDS)
-# MXFP4 at batch 1 also has the opt-in f16 tensor-core route (kernels/qgemv_mx16.py)
-MX_ROUTES = pytest.mark.parametrize("route,prefetch,stages,row_tiles", _R + [("mx16", True, 0, 1)],
-                                    ids=_IDS + ["mx16"])
+# MXFP4 at batch 1: the default ("auto": the int8 tensor-core route, kernels/qgemv_imma.py, the bar's figure),
+# the bf16 routes above, and the opt-in f16 tensor-core route (kernels/qgemv_mx16.py)
+MX_ROUTES = pytest.mark.parametrize("route,prefetch,stages,row_tiles",
+                                    [("auto", True, 0, 0)] + _R + [("mx16", True, 0, 1)],
+                                    ids=["default"] + _IDS + ["mx16"])
 
 
 def _quantized(kind, seed=0):
@@ -70,11 +72,12 @@ def test_bench_qgemv_mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, s
     _mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages, row_tiles, pdl=False)
 
 
-def test_bench_qgemv_mxfp4_bandwidth_pdl(benchmark, copy_ceiling):
-    """The mma route launched with programmatic dependent launch: each of the graph's 20 GEMVs loads its first
-    groups of W while the one before it finishes. A chained figure (the GEMVs follow one another, as gate and
-    up projections do), not the single-launch one above."""
-    _mxfp4_bandwidth(benchmark, copy_ceiling, "mma", True, 0, 0, pdl=True)
+@pytest.mark.parametrize("route", ["auto", "mma"], ids=["default", "mma"])
+def test_bench_qgemv_mxfp4_bandwidth_pdl(benchmark, copy_ceiling, route):
+    """The default route (as the decode launches it) and the bf16 mma route with programmatic dependent launch:
+    each of the graph's 20 GEMVs loads its first groups of W while the one before it finishes. A chained figure
+    (the GEMVs follow one another, as gate and up projections do), not the single-launch one above."""
+    _mxfp4_bandwidth(benchmark, copy_ceiling, route, True, 0, 0, pdl=True)
 
 
 def test_bench_qgemv_mxfp4_bandwidth_early_y(benchmark, copy_ceiling):
@@ -89,13 +92,6 @@ def test_bench_qgemv_mxfp4_bandwidth_one_chain(benchmark, copy_ceiling):
     _mxfp4_bandwidth(benchmark, copy_ceiling, "mma", True, 0, 0, pdl=False, split=False, x_first=False)
 
 
-@pytest.mark.parametrize("row_tiles", [0, 1], ids=["auto", "rt1"])
-def test_bench_qgemv_mxfp4_bandwidth_imma(benchmark, copy_ceiling, row_tiles):
-    """The batch-1 GEMV on integer tensor cores (``kernels/qgemv_imma.py``, opt-in; W in its nibble layout, x
-    rounded per block of 32 to 14 bits), a plain launch: comparable with the mma route's single-launch figure."""
-    _mxfp4_bandwidth(benchmark, copy_ceiling, "imma", True, 0, row_tiles, pdl=False)
-
-
 def _mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages, row_tiles, pdl, early_y=False, split=None,
                      x_first=None):
     torch = _torch()
@@ -104,19 +100,9 @@ def _mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages, row_tiles
     x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(1, I, device="cuda", dtype=torch.bfloat16)
     dparts = [nb(torch.from_numpy(np.ascontiguousarray(a)).cuda()) for a in qw]
-    if route == "imma":                  # its own kernel and weight layout (not a qgemv route)
-        from vmmstream.kernels import qgemv_imma
-        wl = nb(torch.from_numpy(qgemv_imma.weights_layout(qw.packed)).cuda())
-
-        def call(s):
-            qgemv_imma.launch(wl, dparts[1], nb(x), nb(out), None, s, row_tiles=row_tiles)
-    else:
-        cfg = qgemv.QgemvConfig(route=route, mma_prefetch=prefetch, mma_stages=stages, mma_row_tiles=row_tiles,
-                                pdl=pdl, mma_early_y=early_y, mma_split=split, mma_x_first=x_first)
-
-        def call(s):
-            qgemv.qgemv_mxfp4(*dparts, nb(x), nb(out), stream=s, config=cfg)
-    t = device_seconds(capture(call), benchmark)
+    cfg = qgemv.QgemvConfig(route=route, mma_prefetch=prefetch, mma_stages=stages, mma_row_tiles=row_tiles,
+                            pdl=pdl, mma_early_y=early_y, mma_split=split, mma_x_first=x_first)
+    t = device_seconds(capture(lambda s: qgemv.qgemv_mxfp4(*dparts, nb(x), nb(out), stream=s, config=cfg)), benchmark)
     benchmark.extra_info.update(route=route, mma_prefetch=prefetch, mma_stages=stages, mma_row_tiles=row_tiles,
                                 pdl=pdl, mma_early_y=early_y, mma_split=split, mma_x_first=x_first)
     nbytes = sum(a.nbytes for a in qw) + 2 * H + 2 * I

@@ -66,12 +66,3 @@ else:
         return np.uint16(bits >> np.uint32(16))
 
 
-@cuda.jit(device=True, inline=True)
-def dev_mx_nibbles(w):
-    """A 32-bit word of MXFP4 codes in the stored layout (``kernels/quant.py``, ``MX_FIELDS``) -> the same
-    8 E2M1 codes as nibbles (nibble j = k 8w + j: magnitude in bits 0-2, sign in bit 3)."""
-    u = np.uint32
-    w = u(w)
-    return (((w >> u(6)) & u(0x00070007)) | ((w >> u(12)) & u(0x00080008)) | ((w << u(1)) & u(0x00700070))
-            | ((w >> u(5)) & u(0x00800080)) | ((w << u(8)) & u(0x07000700)) | ((w << u(2)) & u(0x08000800))
-            | ((w >> u(1)) & u(0x30003000)) | ((w << u(4)) & u(0xC000C000)))

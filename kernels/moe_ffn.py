@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
-from .dtypes import dev_bf16_to_f32, dev_f32_to_bf16, dev_mx_nibbles
+from .dtypes import dev_bf16_to_f32, dev_f32_to_bf16
 from .gemv import dot8, stage8_f32, warp_partials, x8_f32
 from .launch import SIM, as_stream, cdiv, check_threads, check_workspace, data_ptr, ld8_ro, vec8_ok, warp_sum
 from .moe_route import MAX_EXPERTS, _layout, h_view, routing_views
@@ -280,8 +280,6 @@ def _make_q(kind: int, pair: bool, nb: int, rpw: int, threads: int, kt: int, out
                                 xv[b, j] = xs[b, 8 * q + j, c]
                         for m in range(nr):
                             w = wd[m, q]
-                            if kind != INT4:
-                                w = dev_mx_nibbles(w)
                             for j in range(8):
                                 nib = (w >> np.uint32(4 * j)) & np.uint32(0xF)
                                 if kind == INT4:

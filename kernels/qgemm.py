@@ -46,7 +46,7 @@ import numpy as np
 from numba import cuda
 
 from . import gemm as _gemm
-from .dtypes import bf16_to_f32, dev_bf16_to_f32, dev_f32_to_bf16, dev_mx_nibbles, f32_to_bf16
+from .dtypes import bf16_to_f32, dev_bf16_to_f32, dev_f32_to_bf16, f32_to_bf16
 from .launch import as_stream, cdiv, check_threads, check_workspace, data_ptr, hi_f32, ld8_ro, lo_f32, pack2, \
     st8, vec8_ok
 from .qgemv import _ld16_ro   # 16 bytes of a uint8 row as four uint32 words (and its simulator twin)
@@ -109,8 +109,6 @@ def _make(kind: int, tm: int, has_bias: bool):
                             xs[base + (2 * j) * pad] = lo_f32(xr[l, j])
                             xs[base + (2 * j + 1) * pad] = hi_f32(xr[l, j])
                         w = wr[l]
-                        if kind != INT4:
-                            w = dev_mx_nibbles(w)
                         sc = sr[l]
                         cz = zr[l]
                         for j in range(8):
@@ -188,8 +186,6 @@ def _make_expand(kind: int):
                 cz = np.float32(0.0)
             for qq in range(4):
                 w = wd[qq]
-                if kind != INT4:
-                    w = dev_mx_nibbles(w)
                 for j in range(8):
                     nib = (w >> np.uint32(4 * j)) & np.uint32(0xF)
                     if kind == INT4:

@@ -21,8 +21,10 @@ K must be a multiple of the group (128 for int4, 32 for MXFP4); x must allow 16-
 there is no scalar fallback.
 
 That is the ``simt`` route. Where K is a multiple of 128 and the weights are C-contiguous the default
-(``route="auto"``) is the tensor-core route of ``kernels/qgemv_mma.py``, faster at the decode shapes on the H200 (docs/BENCHMARKS.md); it takes
-int4 zero points as integers in [0, 15], which is what ``quantize_int4`` stores.
+(``route="auto"``) is a tensor-core route, faster at the decode shapes (docs/BENCHMARKS.md): MXFP4 at batch 1
+``kernels/qgemv_imma.py`` (int8 tensor cores; x rounded per block of 32 to 14 bits below the block's largest
+|x|, every product and sum after that exact), otherwise ``kernels/qgemv_mma.py`` (bf16), which takes int4
+zero points as integers in [0, 15], which is what ``quantize_int4`` stores.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
-from .dtypes import as_f32, dev_bf16_to_f32, dev_f32_to_bf16, dev_mx_nibbles, f32_to_bf16
+from .dtypes import as_f32, dev_bf16_to_f32, dev_f32_to_bf16, f32_to_bf16
 from .launch import SIM, as_stream, cdiv, check_threads, check_workspace, data_ptr, hi_f32, ld8_ro, lo_f32, \
     vec8_ok, warp_sum
 from .quant import INT4_GROUP, MX_BLOCK, dequantize_int4, dequantize_mxfp4
@@ -51,7 +53,9 @@ class QgemvConfig:
     batch_tile: int = 0      # 0: pick from B (1, 2 or 4)
     tile_k: int = 0          # 0: SMEM_X // batch_tile; else a multiple of 32 (tests use small tiles)
     route: str = "auto"      # "mma": kernels/qgemv_mma.py (bf16 tensor cores; K a multiple of 128, int4 zero points
-                             # integers); "simt": this module's kernel; "auto": mma where K allows it, else simt;
+                             # integers); "imma": kernels/qgemv_imma.py (MXFP4 at batch 1, int8 tensor cores;
+                             # K a multiple of 128); "simt": this module's kernel; "auto": imma for MXFP4 at
+                             # batch 1, else mma, where K allows it, else simt;
                              # "mx16": kernels/qgemv_mx16.py (MXFP4 at batch 1 on f16 tensor cores; measured
                              # slower than mma on the H200, docs/BENCHMARKS.md, so never chosen by "auto")
     mma_prefetch: bool = True  # mma route: load the next group while multiplying the current one
@@ -67,9 +71,10 @@ class QgemvConfig:
                              # chains of 4 (None: there; on an H100 at 7 row tiles 3.7 % faster, docs/BENCHMARKS.md)
     mma_x_first: bool | None = None  # mma route, MXFP4 at batch 1: the first x tile loaded before W (None: in
                              # blocks of 4 or more row tiles without pdl; True with pdl is refused)
-    pdl: bool = False        # mma route: programmatic dependent launch (loads W while the previous kernel on the
-                             # stream finishes); only where that kernel does not write these weights. With
-                             # route "auto" it applies where the mma route is taken (a simt launch is plain)
+    pdl: bool = False        # mma and imma routes: programmatic dependent launch (loads W while the previous
+                             # kernel on the stream finishes); only where that kernel does not write these
+                             # weights. With route "auto" it applies where a tensor-core route is taken (a simt
+                             # launch is plain); the mma_* options do not apply to the imma route
 
 
 if SIM:
@@ -173,8 +178,6 @@ def _make(kind: int, nb: int, rpw: int, threads: int, has_bias: bool, kt: int):
                                 xsum[b] += xv[b, j]
                     for r in range(rpw):
                         w = wd[r, q]
-                        if kind != INT4:
-                            w = dev_mx_nibbles(w)
                         for j in range(8):
                             if kind == INT4:   # bits of 1 + q/16: the nibble at mantissa bits 19..22
                                 v = as_f32((((w >> np.uint32(4 * j)) << np.uint32(19)) & np.uint32(0x00780000))
@@ -242,12 +245,22 @@ def _launch(name, kind, packed, scales, zeros, x, out, bias, workspace, stream, 
         raise ValueError(f"{name}: packed weights and x must be contiguous rows on 16-byte boundaries "
                          "(16-byte loads; there is no scalar path)")
     cfg = config or QgemvConfig()
-    if cfg.route not in ("auto", "simt", "mma", "mx16"):
-        raise ValueError(f"{name}: route must be 'auto', 'simt', 'mma' or 'mx16', got {cfg.route!r}")
+    if cfg.route not in ("auto", "simt", "mma", "imma", "mx16"):
+        raise ValueError(f"{name}: route must be 'auto', 'simt', 'mma', 'imma' or 'mx16', got {cfg.route!r}")
     contiguous = packed.is_c_contiguous() and scales.is_c_contiguous() and (zeros is None or zeros.is_c_contiguous())
-    route = cfg.route if cfg.route != "auto" else "mma" if k % INT4_GROUP == 0 and contiguous else "simt"
+    tensor = k % INT4_GROUP == 0 and contiguous
+    route = cfg.route if cfg.route != "auto" else (
+        "imma" if tensor and kind == MXFP4 and b == 1 else "mma" if tensor else "simt")
     if cfg.pdl and cfg.route in ("simt", "mx16"):
-        raise ValueError(f"{name}: pdl (programmatic dependent launch) is a mma-route option, the route is {route!r}")
+        raise ValueError(f"{name}: pdl (programmatic dependent launch) is an mma and imma route option, the route "
+                         f"is {route!r}")
+    if route == "imma":
+        from . import qgemv_imma
+        if kind != MXFP4 or b != 1:
+            raise ValueError(f"{name}: route 'imma' takes MXFP4 weights at batch 1 (got "
+                             f"{'int4' if kind == INT4 else 'MXFP4'}, batch {b})")
+        qgemv_imma.launch(packed, scales, x, out, bias, as_stream(stream), pdl=cfg.pdl)
+        return
     if route == "mx16":
         from . import qgemv_mx16
         if kind != MXFP4:

@@ -1,5 +1,6 @@
-"""Batch-1 MXFP4 GEMV on the integer tensor cores: y[1, N] = x[1, K] · W[N, K]ᵀ (+ bias), W MXFP4 as plain
-nibbles (``weights_layout``), one ``mma.sync.m16n8k32`` s8 per 16 rows × 32 values of K, int32 sums.
+"""Batch-1 MXFP4 GEMV on the integer tensor cores: y[1, N] = x[1, K] · W[N, K]ᵀ (+ bias), W MXFP4 (nibbles,
+``kernels/quant.py``), one ``mma.sync.m16n8k32`` s8 per 16 rows × 32 values of K, int32 sums. The default
+route of ``qgemv_mxfp4`` at batch 1.
 
 Why: the bf16 route (``kernels/qgemv_mma.py``) needs one ``mma.sync.m16n8k16`` per 256 weights; on an H100 that
 instruction issues about once per 10 cycles per scheduler (``scripts/mma_rate.py``), and its time adds to the
@@ -25,8 +26,9 @@ What changes against the bf16 route, with the row tiles, the two register sets a
 - A block of x holding inf or NaN makes every row's sum NaN (an integer cannot carry them); a block whose
   largest |x| is below 2^-112 keeps fewer than 14 bits (its scale is held at that of 2^-112).
 
-Contract: batch 1, K a multiple of 128, W in the nibble layout of ``weights_layout`` (``quant.pack_nibbles`` of
-the E2M1 codes), E8M0 scales [N, K/32]. Capture-safe; no workspace.
+Contract: batch 1, K a multiple of 128, W and its E8M0 scales [N, K/32] as ``quantize_mxfp4`` stores them.
+Capture-safe; no workspace. With ``pdl`` it loads its first groups of W before waiting for the kernel launched
+before it, and reads x after.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from numba import cuda, float32, int32, int64, uint32
 
 from . import mma_helpers as mh
 from .dtypes import dev_bf16_to_f32, dev_f32_to_bf16
-from .launch import SHARED_ALIGN16, f32_as_u32, ld4w, ld8_ro, ld16_at, ld1b_at, lane_ptr, ptr_add, u32_add, \
+from .launch import SHARED_ALIGN16, f32_as_u32, grid_dependency_wait, grid_dependents_launch, launch_pdl, ld4w, ld8_ro, ld16_at, ld1b_at, lane_ptr, ptr_add, u32_add, \
     u32_as_f32, u32_mad, u32_mul_hi, u32_pin
 
 CAPTURE_SAFE = True
@@ -151,7 +153,8 @@ def stage(xs, meta, x, tid, t0, ku, NT, qs):
 
 @functools.lru_cache(maxsize=None)
 def make(has_bias: bool, row_tiles: int = 1):
-    """The kernel for blocks of ``row_tiles`` 16-row tiles (4 warps each) sharing one staging of x."""
+    """The kernel for blocks of ``row_tiles`` 16-row tiles (4 warps each) sharing one staging of x (the same
+    kernel serves plain and programmatic dependent launches: the wait is a no-op in a plain one)."""
     RT = int(row_tiles)
     if not 1 <= RT <= MAX_ROW_TILES:
         raise ValueError(f"row_tiles must be 1 to {MAX_ROW_TILES}, got {RT}")
@@ -202,6 +205,10 @@ def make(has_bias: bool, row_tiles: int = 1):
         xa0, xa1, xa2, xa3 = ld16_at(packed, ptr_add(qa, gx, 64))
         xb0, xb1, xb2, xb3 = ld16_at(packed, ptr_add(qb, gx, 64))
         xea, xeb = ld1b_at(scales, ptr_add(qsa, gx, 4)), ld1b_at(scales, ptr_add(qsb, gx, 4))
+        # W and its scales before the wait, x after it (``launch_pdl``: the kernel before this one may still
+        # be writing x)
+        grid_dependency_wait()
+        grid_dependents_launch()
         base = u(0)
         tile = u(0)
         while tile < n_tiles:
@@ -261,13 +268,6 @@ def make(has_bias: bool, row_tiles: int = 1):
     return qgemv_mx_imma
 
 
-def weights_layout(packed: np.ndarray) -> np.ndarray:
-    """MXFP4 packed weights in the stored word layout (``kernels/quant.py``) -> the nibble layout this kernel
-    reads (``pack_nibbles`` of the codes), on the host."""
-    from .quant import pack_nibbles, unpack_e2m1
-    return pack_nibbles(unpack_e2m1(np.asarray(packed, dtype=np.uint8)))
-
-
 def x_as_applied(x_bits: np.ndarray) -> np.ndarray:
     """The x the kernel multiplies by, on the host (fp64, exact): each block of 32 values rounded as ``stage``
     rounds it (half to even, to a multiple of 2^(emax - 140), emax = max(15, exponent field of the block's
@@ -284,10 +284,10 @@ def x_as_applied(x_bits: np.ndarray) -> np.ndarray:
     return q.reshape(np.asarray(x_bits).shape)
 
 
-def launch(packed, scales, x, out, bias, stream, row_tiles=0):
-    """``packed`` [N, K/2] u8 in the nibble layout (``weights_layout``), ``scales`` [N, K/32] u8, x [1, K] and
-    out [1, N] bf16 (uint16), ``bias`` [N] bf16 or None; device arrays. ``row_tiles`` 0: as ``qgemv_mma``'s
-    ``auto_row_tiles``."""
+def launch(packed, scales, x, out, bias, stream, row_tiles=0, pdl=False):
+    """``packed`` [N, K/2] u8, ``scales`` [N, K/32] u8 (``quantize_mxfp4``), x [1, K] and out [1, N] bf16
+    (uint16), ``bias`` [N] bf16 or None; device arrays. ``row_tiles`` 0: as ``qgemv_mma``'s
+    ``auto_row_tiles``. ``pdl``: programmatic dependent launch (the kernel before it must not write W)."""
     from .qgemv_mma import auto_row_tiles
     n, k = packed.shape[0], 2 * packed.shape[1]
     if x.shape[0] != 1 or out.shape[0] != 1:
@@ -308,7 +308,11 @@ def launch(packed, scales, x, out, bias, stream, row_tiles=0):
     kern = make(bias is not None, int(row_tiles))
     args = (packed.reshape(packed.shape[0] * packed.shape[1]), scales.reshape(scales.shape[0] * scales.shape[1]),
             x, x.reshape(x.shape[1]) if bias is None else bias, out, n, k)
-    kern[(-(-n // (ROWS * row_tiles)), 1), mh.THREADS * row_tiles, stream](*args)
+    grid, threads = (-(-n // (ROWS * row_tiles)), 1), mh.THREADS * row_tiles
+    if pdl:
+        launch_pdl(kern, grid, threads, stream, args)
+    else:
+        kern[grid, threads, stream](*args)
 
 
 def workspace_requirement(n: int, k: int, batch: int = 1):

@@ -17,8 +17,8 @@ the instructions per value low:
   The next group's chunks and scales are loaded before the current group is multiplied (``prefetch``),
   so every warp has a load in flight while it computes;
 - the mma's k order inside a 16-wide step is free as long as the A and B fragments agree: the step pairs
-  values (j, j + 4) of a 32-bit word (nibbles j, j + 4 for int4; for MXFP4 the codes of the stored word
-  layout, ``kernels/quant.py``), which a shift and one mask place in the two bf16 halves. x's
+  values (j, j + 4) of a 32-bit word (nibbles j, j + 4, ``kernels/quant.py``), which shifts and masks place
+  in the two bf16 halves. x's
   matching pairs (x[j], x[j + 4]) are built once per block: x is staged in shared memory already
   permuted (a tile of 4096 values for B = 1, 512 per column for B > 1), so the loop reads each step's
   B fragment with plain shared loads; a lane's four 16-byte slots are rotated by t so the quad's reads
@@ -27,10 +27,8 @@ the instructions per value low:
   with 1.0 and −(128 + zero) leaves q − zero exactly (integers below 256 are exact in bf16); each group's
   D is scaled by its row's group scale once;
 - MXFP4: the three magnitude bits of an E2M1 code go to bf16 bits 8..6 and the sign to bit 15, which is
-  the value times 2^-126 (the code 0.5 a subnormal). The stored layout spreads a code's fields so that
-  three pairs of a word need one shift and one mask each and the fourth a mask, a shift, one multiply-high
-  and a mask (9 integer instructions per 8 codes; nibbles need 15: sign and magnitude bits sit 3 apart,
-  not 9). At B > 1 one packed fma by 2^(e - 1) gives value · 2^(e - 127) exactly (2^(e - 1) is a bf16 for e <= 128; where a
+  the value times 2^-126 (the code 0.5 a subnormal): two shifts, a mask and a masked or per pair (15 integer
+  instructions per 8 codes; the batch-1 default is ``kernels/qgemv_imma.py``, on integer tensor cores). At B > 1 one packed fma by 2^(e - 1) gives value · 2^(e - 127) exactly (2^(e - 1) is a bf16 for e <= 128; where a
   lane of the warp holds a larger scale, the warp takes a second fma per pair for that group, a warp vote). At B = 1 the codes enter the
   mma as they are and the block scale goes on D instead: B's column 2t holds x only at the k of lane t's
   chunk (the other lanes read a zero block), so D column 2t is MX block t's sum alone and lane t scales it

@@ -8,7 +8,7 @@ from __future__ import annotations
 from numba import cuda, float32, int32, int64, uint32
 
 from . import mma_helpers as mh
-from .launch import ld16_at, ld1b_at, ld4w, ld8_ro, ptr_add, st4w, u32_add, u32_as_f32, u32_mul_hi, u32_pin, warp_any
+from .launch import ld16_at, ld1b_at, ld4w, ld8_ro, ptr_add, st4w, u32_add, u32_as_f32, warp_any
 
 XS_WORDS = 2048          # staged x per block: 4096 bf16 (B = 1) or 8 columns of 512, as permuted pairs
 X_CHUNKS = XS_WORDS // 4  # 8-value chunks of a B = 1 tile
@@ -16,21 +16,19 @@ X_CHUNKS = XS_WORDS // 4  # 8-value chunks of a B = 1 tile
 
 @cuda.jit(device=True, inline="always")
 def e2m1_raw(w, s):
-    """E2M1 codes i and i + 4 (i = s/4; s = 0, 4, 8, 12, a constant) of an MXFP4 word in the stored layout
-    (``kernels/quant.py``) -> a bf16 pair of value · 2^-126: magnitude to bits 8..6, sign to 15, in each
-    half. Codes 0-2 sit so that one shift (none, 3, 6) and one mask place them. Code 3 (magnitude bits at
-    13, 14, 10, sign at 11): its fields t; t >> 7 (13, 14 -> 6, 7) and t >> 2 (10 -> 8), one multiply-high
-    by 2^25 + 2^30, added to t << 4 (11 -> 15): no two of the three copies share a bit (nothing carries),
-    and the mask keeps the four wanted ones. 4 instructions (mask, IMAD.HI, shift-and-add, mask)."""
-    m = uint32(0x81C081C0)
+    """E2M1 codes i and i + 4 (i = s/4; s = 0, 4, 8, 12, a constant) of an MXFP4 word (nibbles,
+    ``kernels/quant.py``) -> a bf16 pair of value · 2^-126: the magnitude bits (nibble bits 0-2) to bf16 bits
+    8..6 and the sign (nibble bit 3) to bit 15, in each half. Two shifts (one for i = 3, whose sign is at bit
+    15 already), a mask and a masked or."""
+    u = uint32
+    m, sg = u(0x01C001C0), u(0x80008000)
     if s == 0:
-        return w & m
+        return ((w << u(6)) & m) | ((w << u(12)) & sg)
     if s == 4:
-        return (w << uint32(3)) & m
+        return ((w << u(2)) & m) | ((w << u(8)) & sg)
     if s == 8:
-        return (w << uint32(6)) & m
-    t = u32_pin(w & uint32(0x6C006C00))   # (opaque: LLVM would rewrite t << 4 as a shift and a second mask)
-    return u32_add(t << uint32(4), u32_mul_hi(t, uint32(0x42000000))) & m
+        return ((w >> u(2)) & m) | ((w << u(4)) & sg)
+    return ((w >> u(6)) & m) | (w & sg)
 
 
 @cuda.jit(device=True, inline="always")

@@ -44,7 +44,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from . import mma_helpers as mh
-from .dtypes import dev_bf16_to_f32, dev_f32_to_bf16, dev_mx_nibbles
+from .dtypes import dev_bf16_to_f32, dev_f32_to_bf16
 from .launch import SHARED_ALIGN16, ld1w_ro, ld4w, ld8_ro, st4w, u32_add, u32_as_f32, u32_mad
 from .workspace import NONE
 
@@ -176,8 +176,8 @@ def make(has_bias: bool, probe: bool = False):
                 ta0 += float32(v & u(1))
             else:
                 for b in range(4):             # MX block b of the group: values (0, 2, 4, 6), then (1, 3, 5, 7)
-                    wa = dev_mx_nibbles(a0w if b == 0 else a1w if b == 1 else a2w if b == 2 else a3w)
-                    wb = dev_mx_nibbles(b0w if b == 0 else b1w if b == 1 else b2w if b == 2 else b3w)
+                    wa = a0w if b == 0 else a1w if b == 1 else a2w if b == 2 else a3w
+                    wb = b0w if b == 0 else b1w if b == 1 else b2w if b == 2 else b3w
                     x0, x1, x2, x3 = ld4w(xs, u32_add(xo, 16 * b))
                     ea, eb, oa, ob = _even(wa), _even(wb), _odd(wa), _odd(wb)
                     d0, d1, d2, d3 = mh.mma_f16_16816(

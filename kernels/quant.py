@@ -21,22 +21,13 @@ MXFP4, OCP Microscaling v1.0 (``quantize_mxfp4``)
     magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6). Shared exponent = floor(log2(max|x|)) - 2 (emax of E2M1, the
     spec's suggested method), clamped to [-127, 127]; elements x / 2^shared rounded to nearest, ties to
     even (even mantissa), saturated to ±6. An all-zero block stores e = 127 (scale 1). Stored:
-    ``packed uint8 [N, K/2]``, ``scales uint8 [N, K/32]``. The codes are not stored as nibbles: each
-    little-endian 32-bit word of a row holds the 8 codes of k = 8w + 4h + i (half h = bits 16h .. 16h + 15,
-    i = 0..3) with its fields spread over the half (``MX_FIELDS``: magnitude bits 0-2, sign)::
-
-        i = 0: magnitude at bits 6, 7, 8,    sign at 15
-        i = 1: magnitude at bits 3, 4, 5,    sign at 12
-        i = 2: magnitude at bits 0, 1, 2,    sign at 9
-        i = 3: magnitude at bits 13, 14, 10, sign at 11
-
-    so that codes i and i + 4 land as a bf16 pair of value · 2^-126 (magnitude at bf16 bits 6-8, sign at
-    15, in each half) through one shift (0, 3, 6) and one mask for i = 0..2; for i = 3 the fields are
-    masked, and one multiply-high adds their copies shifted right by 2 and 7 to the copy shifted left by 4
-    (no two copies share a bit, so nothing carries) before a last mask: 9 integer instructions per 8 codes
-    against 15 from nibbles (``kernels/qgemv_mma.py``). ``pack_e2m1`` /
-    ``unpack_e2m1`` convert from / to codes; kernels that read codes one by one first turn a word back into
-    nibbles (``kernels/dtypes.dev_mx_nibbles``).
+    ``packed uint8 [N, K/2]``, ``scales uint8 [N, K/32]``. The codes are stored as plain nibbles, the OCP
+    packing: byte b of a row holds the code of k = 2b in bits 0-3 and of k = 2b + 1 in bits 4-7 (read as a
+    little-endian 32-bit word, nibble j of word w is the code of k = 8w + j). The batch-1 GEMV
+    (``kernels/qgemv_imma.py``) turns a word into bytes by ``prmt`` table lookups keyed by those nibbles
+    (magnitude bits 0-2 as the index, the sign as the lookup's sign-fill bit); the bf16 tensor-core route
+    (``kernels/qgemv_mma.py``) shifts each pair of codes k and k + 4 into a bf16 pair; the scalar kernels read
+    the nibbles one by one. ``pack_e2m1`` / ``unpack_e2m1`` convert from / to codes, checking the shape.
 
 Both dequantizers return fp32 and are exact (every stored value is representable in fp32). NaN or inf in
 a weight raises ``ValueError`` naming the first bad element.
@@ -80,23 +71,6 @@ def _check(w, group: int, what: str) -> np.ndarray:
     return w
 
 
-# MXFP4 word layout: for in-half code i, the bit of its half that holds magnitude bit 0, 1, 2 and the sign
-MX_FIELDS = ((6, 7, 8, 15), (3, 4, 5, 12), (0, 1, 2, 9), (13, 14, 10, 11))
-
-
-def _mx_bitmap() -> list[tuple[int, int]]:
-    """(nibble-word bit, MXFP4-word bit) for the 16 bits of a half."""
-    return [(4 * i + b, f) for i, fields in enumerate(MX_FIELDS) for b, f in enumerate(fields)]
-
-
-def _mx_permute(words: np.ndarray, to_mx: bool) -> np.ndarray:
-    out = np.zeros_like(words)
-    for nb, mb in _mx_bitmap():
-        src, dst = (nb, mb) if to_mx else (mb, nb)
-        out |= ((words >> np.uint32(src)) & np.uint32(0x00010001)) << np.uint32(dst)
-    return out
-
-
 def _words(packed: np.ndarray) -> np.ndarray:
     p = np.ascontiguousarray(packed, np.uint8)
     if p.ndim != 2 or p.shape[1] % 4:
@@ -105,14 +79,14 @@ def _words(packed: np.ndarray) -> np.ndarray:
 
 
 def pack_e2m1(q) -> np.ndarray:
-    """E2M1 codes uint8 [N, K] (0..15, bit 3 the sign; K a multiple of 8) -> MXFP4 packed [N, K/2] in the
-    stored word layout (module docstring)."""
-    return _mx_permute(_words(pack_nibbles(q)), True).view(np.uint8)
+    """E2M1 codes uint8 [N, K] (0..15, bit 3 the sign; K a multiple of 8) -> MXFP4 packed [N, K/2] (nibbles,
+    module docstring)."""
+    return _words(pack_nibbles(q)).view(np.uint8)
 
 
 def unpack_e2m1(packed) -> np.ndarray:
     """MXFP4 packed [N, K/2] -> E2M1 codes uint8 [N, K]."""
-    return unpack_nibbles(_mx_permute(_words(packed), False).view(np.uint8))
+    return unpack_nibbles(_words(packed).view(np.uint8))
 
 
 def pack_nibbles(q) -> np.ndarray:

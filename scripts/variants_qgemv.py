@@ -58,8 +58,7 @@ def main(out, specs):
             zr = parts[2] if kind == "int4" else parts[1]
             weights[kind, k] = [a.reshape(a.shape[0] * a.shape[1]) for a in (parts[0], parts[1], zr)]
             if kind == "mxfp4":
-                nib = nb(torch.from_numpy(qgemv_imma.weights_layout(qw.packed)).cuda())
-                weights["imma", k] = [nib.reshape(nib.shape[0] * nib.shape[1]), weights[kind, k][1]]
+                weights["imma", k] = weights[kind, k][:2]
             nbytes[kind, k] = sum(a.nbytes for a in qw) + 2 * k + 2 * N
             if kind == "mxfp4" and k == H:   # a device copy of this GEMV's byte count (half read, half written)
                 src = torch.empty(nbytes[kind, k] // 2, dtype=torch.uint8, device="cuda").random_(0, 255)

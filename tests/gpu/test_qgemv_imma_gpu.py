@@ -44,7 +44,7 @@ def _case(n, k, bias, seed):
 def _launch(stream, qw, x, bb, row_tiles=0):
     n = qw.packed.shape[0]
     out = to_dev(np.zeros((1, n), np.uint16), stream)
-    args = (to_dev(qgemv_imma.weights_layout(qw.packed), stream), to_dev(qw.scales, stream), to_dev(x, stream),
+    args = (to_dev(qw.packed, stream), to_dev(qw.scales, stream), to_dev(x, stream),
             out, None if bb is None else to_dev(bb, stream))
     return out, args
 

@@ -49,7 +49,7 @@ def case(seed, n, k, bias, outlier=False):
 def run(qw, x, bb, row_tiles):
     n = qw.packed.shape[0]
     out = cuda.device_array((1, n), np.uint16)
-    qgemv_imma.launch(dev(qgemv_imma.weights_layout(qw.packed)), dev(qw.scales), dev(x), out,
+    qgemv_imma.launch(dev(qw.packed), dev(qw.scales), dev(x), out,
                       None if bb is None else dev(bb), 0, row_tiles=row_tiles)
     return out.copy_to_host()
 

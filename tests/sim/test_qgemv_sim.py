@@ -342,22 +342,3 @@ def test_auto_row_tiles():
     assert got == {14336: 7, 8192: 4, 6144: 3, 4096: 2, 3072: 1, 1024: 1, 28672: 1}
     assert auto_row_tiles(14336, 0) == 1          # the simulator (no SM count)
     assert auto_row_tiles(14336, 100) == 1        # 896 tiles > 7 per SM: more than one wave either way
-
-
-def test_dev_mx_nibbles_inverts_the_stored_layout():
-    """The device turn-back of a stored MXFP4 word into nibbles (used by every kernel that reads codes one by
-    one) agrees with the host packing for every code at every position."""
-    from vmmstream.kernels.dtypes import dev_mx_nibbles
-    from vmmstream.kernels.quant import pack_e2m1, pack_nibbles
-
-    @cuda.jit
-    def turn(words, out):
-        i = cuda.grid(1)
-        if i < words.size:
-            out[i] = dev_mx_nibbles(words[i])
-
-    codes = np.array([[(c + j) % 16 for j in range(8)] for c in range(16)], np.uint8)   # each code at each k
-    words = pack_e2m1(codes).view("<u4").ravel()
-    out = cuda.device_array(words.size, np.uint32)
-    turn[1, 32](dev(words), out)
-    np.testing.assert_array_equal(out.copy_to_host(), pack_nibbles(codes).view("<u4").ravel())
