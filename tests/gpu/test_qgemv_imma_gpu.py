@@ -86,3 +86,33 @@ def test_qgemv_imma_captured_replay_same_bits(stream):
         replay()
         replay()
         assert np.array_equal(get(out2, stream), eager)
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_qgemv_mxfp4_default_route_is_imma_and_waits_for_x(stream, pdl):
+    """``qgemv_mxfp4`` at batch 1 with the default config takes this kernel (the same bits as a direct launch);
+    with ``pdl`` it may start while the kernel before it runs: the producer here lets it start at once, sleeps
+    a few ms and only then writes x over zeros; the GEMV, loading W meanwhile, must multiply the new x."""
+    from numba import cuda
+    from vmmstream.kernels import qgemv
+    from vmmstream.kernels.launch import grid_dependents_launch
+
+    @cuda.jit
+    def produce(src, dst):
+        grid_dependents_launch()
+        for _ in range(2000):
+            cuda.nanosleep(1000)
+        i = cuda.threadIdx.x
+        while i < src.size:
+            dst[0, i] = src[0, i]
+            i += cuda.blockDim.x
+
+    qw, x, _ = _case(I, H, False, 11)
+    out, args = _launch(stream, qw, x, None)
+    qgemv_imma.launch(*args, stream)
+    direct = get(out, stream).copy()
+    src, dx = to_dev(x, stream), to_dev(np.zeros_like(x), stream)
+    got = cuda.device_array((1, I), np.uint16, stream=stream)
+    produce[1, 256, stream](src, dx)
+    qgemv.qgemv_mxfp4(args[0], args[1], dx, got, stream=stream, config=qgemv.QgemvConfig(pdl=pdl))
+    assert np.array_equal(get(got, stream), direct)

@@ -93,3 +93,21 @@ def test_x_as_applied_rounding():
     x = f32_to_bf16(np.array([[2.0 ** 10, 1.0 + 2.0 ** -7] + [0.0] * 30], np.float32))
     q = qgemv_imma.x_as_applied(x)[0]
     assert q[1] == 1.0                                # step 2^-3 (exponent 10): 1 + 2^-7 rounds to 1
+
+
+def test_qgemv_mxfp4_default_route_at_batch_1_is_imma():
+    """``qgemv_mxfp4`` with the default config: batch 1 on this kernel (the same bits as a direct launch),
+    batch 2 on the bf16 route (against the unrounded x, the other GEMV tests' tolerance)."""
+    from vmmstream.kernels import qgemv
+    qw, x, _ = case(21, 16, 256, False, outlier=True)
+    direct = run(qw, x, None, 1)
+    out = cuda.device_array((1, 16), np.uint16)
+    qgemv.qgemv_mxfp4(dev(qw.packed), dev(qw.scales), dev(x), out)
+    np.testing.assert_array_equal(out.copy_to_host(), direct)
+    x2 = np.concatenate([x, x[:, ::-1]])
+    out2 = cuda.device_array((2, 16), np.uint16)
+    qgemv.qgemv_mxfp4(dev(qw.packed), dev(qw.scales), dev(np.ascontiguousarray(x2)), out2)
+    check(out2.copy_to_host(), dequantize_mxfp4(*qw), bf16_to_f32(x2).astype(np.float64))
+    with pytest.raises(ValueError, match="batch 1"):
+        qgemv.qgemv_mxfp4(dev(qw.packed), dev(qw.scales), dev(np.ascontiguousarray(x2)), out2,
+                          config=qgemv.QgemvConfig(route="imma"))
