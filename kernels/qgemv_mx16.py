@@ -32,8 +32,9 @@ faster (12.2 µs against 13.7; 176 instructions per lane and group against about
 the hardware conversion ``F2FP.F16.E4M3.UNPACK_B`` (32 per group) runs on the slow conversion pipe, and
 the quad-per-block fragment order makes a lane load 4-byte words 16 bytes apart (8 loads per group in
 place of 2 of 16 bytes), which alone takes the memory side from 7.6 to 11.9 µs. A weight layout repacked
-so that a lane's words are contiguous would remove the second. The stored MXFP4 words (``kernels/quant.py``)
-are made for the bf16 route; this route turns each back into nibbles first (12 more instructions per word).
+so that a lane's words are contiguous would remove the second. (Those figures are from when the stored MXFP4
+words had a layout made for the bf16 route, which this route first turned back into nibbles, 12 instructions per
+word; the stored codes are now nibbles, ``kernels/quant.py``, and the batch-1 default is ``kernels/qgemv_imma.py``.)
 """
 
 from __future__ import annotations
