@@ -329,9 +329,6 @@ def flops(n: int, k: int, batch: int = 1) -> int:
     return 2 * n * k
 
 
-def _sig(has_bias: bool) -> str:
-    return "void(uint8[::1], uint8[::1], uint16[:, ::1], uint16[::1], uint16[:, ::1], int64, int64)"
-
-
-SIGNATURES = [(make(False, 1).py_func, _sig(False)), (make(True, 1).py_func, _sig(True)),
-              (make(False, 7).py_func, _sig(False))]
+# bias is a 1-D bf16 array in both variants (x's row stands in for it when there is none)
+_SIG = "void(uint8[::1], uint8[::1], uint16[:, ::1], uint16[::1], uint16[:, ::1], int64, int64)"
+SIGNATURES = [(make(False, 1).py_func, _SIG), (make(True, 1).py_func, _SIG), (make(False, 7).py_func, _SIG)]
