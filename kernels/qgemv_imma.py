@@ -151,6 +151,29 @@ def stage(xs, meta, x, tid, t0, ku, NT, qs):
                 meta[u(2) * blk + u(1)] = int32(fx)
 
 
+@cuda.jit(device=True, inline="always")
+def w_set(packed, scales, qa, qb, qsa, qsb, gi):
+    """One register set: the lane's 16 bytes of group ``gi`` in rows g (``qa``) and g + 8 (``qb``), and the two
+    E8M0 exponents of its block."""
+    a0, a1, a2, a3 = ld16_at(packed, ptr_add(qa, gi, 64))
+    b0, b1, b2, b3 = ld16_at(packed, ptr_add(qb, gi, 64))
+    return a0, a1, a2, a3, b0, b1, b2, b3, ld1b_at(scales, ptr_add(qsa, gi, 4)), ld1b_at(scales, ptr_add(qsb, gi, 4))
+
+
+@cuda.jit(device=True, inline="always")
+def acc_group(a0, a1, a2, a3, b0, b1, b2, b3, ea, eb, q, t, xs, meta, xst, xbb, tp, tn, one, scratch, acc0, acc2):
+    """Group q of the staged tile (a register set of ``w_set``) into the row g and g + 8 accumulators: its
+    exact sums times 2^-s / 2 of the lane's x block and 2^(e - 127) of its W blocks (e = 0 a subnormal)."""
+    u = uint32
+    blk = u32_mad(q, 4, t)
+    off, fxb = meta[u(2) * blk], meta[u(2) * blk + u(1)]
+    sa, sb = group_imma(a0, a1, a2, a3, b0, b1, b2, b3, xs, int64(u32_mad(q, xst, xbb)), off, tp, tn, one, scratch)
+    fx = u32_as_f32(u(fxb))
+    acc0 += float32(sa) * fx * u32_as_f32(max(ea << u(23), u(0x400000)))
+    acc2 += float32(sb) * fx * u32_as_f32(max(eb << u(23), u(0x400000)))
+    return acc0, acc2
+
+
 @functools.lru_cache(maxsize=None)
 def make(has_bias: bool, row_tiles: int = 1):
     """The kernel for blocks of ``row_tiles`` 16-row tiles (4 warps each) sharing one staging of x (the same
@@ -201,10 +224,7 @@ def make(has_bias: bool, row_tiles: int = 1):
         one = u32_pin(u32_add(u(1), zero))
         n_tiles = (ng + u(TG - 1)) // u(TG)
         ti = u(u32_add(min(u(TG), ng), 3) >> u(2))           # the tile's groups per warp
-        gx = min(wid, ng1)
-        xa0, xa1, xa2, xa3 = ld16_at(packed, ptr_add(qa, gx, 64))
-        xb0, xb1, xb2, xb3 = ld16_at(packed, ptr_add(qb, gx, 64))
-        xea, xeb = ld1b_at(scales, ptr_add(qsa, gx, 4)), ld1b_at(scales, ptr_add(qsb, gx, 4))
+        xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xea, xeb = w_set(packed, scales, qa, qb, qsa, qsb, min(wid, ng1))
         # W and its scales before the wait, x after it (``launch_pdl``: the kernel before this one may still
         # be writing x)
         grid_dependency_wait()
@@ -220,31 +240,16 @@ def make(has_bias: bool, row_tiles: int = 1):
             p = u(0)
             while p < ti:                                      # groups 4p + w (X) and 4p + 4 + w (Y) of the tile
                 qy = u32_mad(u32_add(p, 1), W, wid)
-                gy = min(u32_add(base, qy), ng1)
-                ya0, ya1, ya2, ya3 = ld16_at(packed, ptr_add(qa, gy, 64))
-                yb0, yb1, yb2, yb3 = ld16_at(packed, ptr_add(qb, gy, 64))
-                yea, yeb = ld1b_at(scales, ptr_add(qsa, gy, 4)), ld1b_at(scales, ptr_add(qsb, gy, 4))
-                qx = u32_mad(p, W, wid)
-                blk = u32_mad(qx, 4, t)
-                off, fxb = meta[u(2) * blk], meta[u(2) * blk + u(1)]
-                sa, sb = group_imma(xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xs, int64(u32_mad(qx, xst, xbb)), off,
-                                    tp, tn, one, scratch)
-                fx = u32_as_f32(u(fxb))
-                acc0 += float32(sa) * fx * u32_as_f32(max(xea << u(23), u(0x400000)))
-                acc2 += float32(sb) * fx * u32_as_f32(max(xeb << u(23), u(0x400000)))
+                ya0, ya1, ya2, ya3, yb0, yb1, yb2, yb3, yea, yeb = w_set(packed, scales, qa, qb, qsa, qsb,
+                                                                         min(u32_add(base, qy), ng1))
+                acc0, acc2 = acc_group(xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xea, xeb, u32_mad(p, W, wid), t, xs,
+                                       meta, xst, xbb, tp, tn, one, scratch, acc0, acc2)
                 p = u32_add(p, 2)
                 gx = min(u32_add(base, u32_mad(p, W, wid)) if p < ti else u32_add(nbase, wid), ng1)
-                xa0, xa1, xa2, xa3 = ld16_at(packed, ptr_add(qa, gx, 64))
-                xb0, xb1, xb2, xb3 = ld16_at(packed, ptr_add(qb, gx, 64))
-                xea, xeb = ld1b_at(scales, ptr_add(qsa, gx, 4)), ld1b_at(scales, ptr_add(qsb, gx, 4))
+                xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xea, xeb = w_set(packed, scales, qa, qb, qsa, qsb, gx)
                 # Y (past the tile's groups when ti is odd: staged zeros, offsets 0)
-                blk = u32_mad(qy, 4, t)
-                off, fxb = meta[u(2) * blk], meta[u(2) * blk + u(1)]
-                sa, sb = group_imma(ya0, ya1, ya2, ya3, yb0, yb1, yb2, yb3, xs, int64(u32_mad(qy, xst, xbb)), off,
-                                    tp, tn, one, scratch)
-                fx = u32_as_f32(u(fxb))
-                acc0 += float32(sa) * fx * u32_as_f32(max(yea << u(23), u(0x400000)))
-                acc2 += float32(sb) * fx * u32_as_f32(max(yeb << u(23), u(0x400000)))
+                acc0, acc2 = acc_group(ya0, ya1, ya2, ya3, yb0, yb1, yb2, yb3, yea, yeb, qy, t, xs,
+                                       meta, xst, xbb, tp, tn, one, scratch, acc0, acc2)
             base = nbase
             ti = nti
             tile = u32_add(tile, 1)
