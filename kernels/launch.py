@@ -342,6 +342,22 @@ else:
     grid_dependency_wait = _asm_void("griddepcontrol.wait;")
     grid_dependents_launch = _asm_void("griddepcontrol.launch_dependents;")
 
+    def _core_stream(stream):
+        """``stream`` (a Numba stream, 0 for the default stream, a cuda.core ``Stream``, or any object with
+        ``__cuda_stream__``) as a cuda.core ``Stream`` over the same handle, borrowed: cuda.core's ``launch``
+        deprecates being handed foreign stream objects."""
+        from cuda.core import Stream
+        if isinstance(stream, Stream):
+            return stream
+        if not stream:
+            return Stream.from_handle(0)
+        if hasattr(stream, "__cuda_stream__"):
+            version, handle = stream.__cuda_stream__()
+            if version != 0:
+                raise TypeError(f"stream {stream!r}: __cuda_stream__ version {version}, expected 0")
+            return Stream.from_handle(int(handle))
+        raise TypeError(f"expected a CUDA stream (Numba or cuda.core) or 0, got {type(stream).__name__}")
+
     def launch_pdl(kern, griddim, blockdim, stream, args):
         """Launch the Numba kernel ``kern`` with programmatic stream serialization (cuda.core ``LaunchConfig``):
         its blocks may start while the kernel before it on ``stream`` is still running, once that one's
@@ -354,7 +370,7 @@ else:
         for t, v in zip(k.argument_types, args):
             k._prepare_args(t, v, stream, retr, kargs)
         cfg = LaunchConfig(grid=griddim, block=blockdim, shmem_size=0, programmatic_stream_serialization=True)
-        launch(cuda.default_stream() if stream == 0 else stream, cfg, k._codelibrary.get_cufunc().kernel, *kargs)
+        launch(_core_stream(stream), cfg, k._codelibrary.get_cufunc().kernel, *kargs)
         for writeback in retr:             # host arrays numba copied in (as its own launch does)
             writeback()
 

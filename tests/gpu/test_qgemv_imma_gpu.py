@@ -88,6 +88,7 @@ def test_qgemv_imma_captured_replay_same_bits(stream):
         assert np.array_equal(get(out2, stream), eager)
 
 
+@pytest.mark.filterwarnings("error:Passing foreign stream objects:DeprecationWarning")   # launch_pdl's stream
 @pytest.mark.parametrize("pdl", [False, True])
 def test_qgemv_mxfp4_default_route_is_imma_and_waits_for_x(stream, pdl):
     """``qgemv_mxfp4`` at batch 1 with the default config takes this kernel (the same bits as a direct launch);

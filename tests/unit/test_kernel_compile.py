@@ -97,3 +97,27 @@ def test_integer_gemv_emits_imma_and_prmt():
     ptx, _ = cuda.compile_ptx(*qgemv_imma.SIGNATURES[0], cc=CC)
     assert ptx.count("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32") == 8
     assert "prmt.b32" in ptx
+
+
+def test_launch_pdl_hands_cuda_core_its_own_stream_type():
+    """``launch_pdl`` gives cuda.core's ``launch`` a cuda.core ``Stream`` over the caller's handle (cuda.core
+    deprecates foreign stream objects): a ``__cuda_stream__`` object keeps its handle, 0 is the default
+    stream, a cuda.core stream passes through, anything else is a ``TypeError``."""
+    from cuda.core import Stream
+    from vmmstream.kernels.launch import _core_stream
+
+    class Foreign:
+        def __init__(self, version, handle):
+            self.v, self.h = version, handle
+
+        def __cuda_stream__(self):
+            return (self.v, self.h)
+
+    s = _core_stream(Foreign(0, 0x1234))
+    assert isinstance(s, Stream) and int(s.handle) == 0x1234
+    assert int(_core_stream(0).handle) == 0
+    assert _core_stream(s) is s
+    with pytest.raises(TypeError, match="version 1"):
+        _core_stream(Foreign(1, 0x1234))
+    with pytest.raises(TypeError, match="got str"):
+        _core_stream("stream")
