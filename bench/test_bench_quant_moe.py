@@ -92,6 +92,32 @@ def test_bench_qgemv_mxfp4_bandwidth_one_chain(benchmark, copy_ceiling):
     _mxfp4_bandwidth(benchmark, copy_ceiling, "mma", True, 0, 0, pdl=False, split=False, x_first=False)
 
 
+@pytest.mark.parametrize("batch", [2, 4, 8])
+def test_bench_qgemv_mxfp4_batch(benchmark, copy_ceiling, batch):
+    """MXFP4 GEMV at batch 2, 4 and 8, the default route (the bf16 mma route: one pass over W for up to 8
+    columns of x), against torch ``F.linear`` on the dequantized bf16 weight at the same batch (4 times the
+    bytes of W). No bar: GB/s of the bytes it reads ÷ the copy bandwidth of this run, and the time of batch 1
+    (the default, int8 route) in the same run."""
+    torch = _torch()
+    from vmmstream.kernels import qgemv
+    from vmmstream.kernels.quant import dequantize_mxfp4
+    _, qw = _quantized("mxfp4")
+    dparts = [nb(torch.from_numpy(np.ascontiguousarray(a)).cuda()) for a in qw]
+    x = torch.randn(batch, H, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(batch, I, device="cuda", dtype=torch.bfloat16)
+    t = device_seconds(capture(lambda s: qgemv.qgemv_mxfp4(*dparts, nb(x), nb(out), stream=s)), benchmark)
+    out1 = torch.empty(1, I, device="cuda", dtype=torch.bfloat16)
+    t1 = device_seconds(capture(lambda s: qgemv.qgemv_mxfp4(*dparts, nb(x[:1]), nb(out1), stream=s)))
+    wd = torch.from_numpy(dequantize_mxfp4(*qw)).to("cuda", torch.bfloat16)
+    t_lin = device_seconds(capture(lambda s: torch.nn.functional.linear(x, wd)))
+    nbytes = sum(a.nbytes for a in qw) * -(-batch // 8) + 2 * batch * H + 2 * batch * I
+    ceil = copy_ceiling["torch_gbps"]
+    info = record(benchmark, seconds=t, nbytes=nbytes, ceiling_gbps=ceil, ratio=nbytes / t / 1e9 / ceil,
+                  batch=batch, batch1_us=t1 * 1e6, torch_bf16_linear_us=t_lin * 1e6)
+    print(f"\nqgemv mxfp4 batch {batch} (default route) {info['device_us']:.2f} us, {info['GB/s']:.0f} GB/s = "
+          f"{info['ratio']:.3f} of copy; batch 1 {t1 * 1e6:.2f} us; torch F.linear bf16 {t_lin * 1e6:.2f} us")
+
+
 def _mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages, row_tiles, pdl, early_y=False, split=None,
                      x_first=None):
     torch = _torch()
