@@ -59,7 +59,7 @@ def test_bench_qgemv_int4_vs_tinygemm(benchmark, copy_ceiling, route, prefetch, 
     wp = torch._convert_weight_to_int4pack(parts[0], 8)
     sz = torch.randn(H // 128, I, 2, device="cuda", dtype=torch.bfloat16)
     t_tg = device_seconds(capture(lambda s: torch._weight_int4pack_mm(x, wp, 128, sz)))
-    nbytes = sum(a.nbytes for a in qw) + 2 * H + 2 * I
+    nbytes = qgemv.bytes_moved(I, H, kind="int4")
     info = record(benchmark, seconds=t, nbytes=nbytes, ceiling_gbps=copy_ceiling["torch_gbps"], ratio=t / t_tg,
                   bar=INT4_BAR, op="le", tinygemm_us=t_tg * 1e6)
     benchmark.extra_info.update(route=route, mma_prefetch=prefetch, mma_stages=stages, mma_row_tiles=row_tiles)
@@ -99,7 +99,7 @@ def test_bench_qgemv_mxfp4_batch(benchmark, copy_ceiling, batch):
     bytes of W). No bar: GB/s of the bytes it reads ÷ the copy bandwidth of this run, and the time of batch 1
     (the default, int8 route) in the same run."""
     torch = _torch()
-    from vmmstream.kernels import qgemv
+    from vmmstream.kernels import qgemv, qgemv_mma
     from vmmstream.kernels.quant import dequantize_mxfp4
     _, qw = _quantized("mxfp4")
     dparts = [nb(torch.from_numpy(np.ascontiguousarray(a)).cuda()) for a in qw]
@@ -110,7 +110,7 @@ def test_bench_qgemv_mxfp4_batch(benchmark, copy_ceiling, batch):
     t1 = device_seconds(capture(lambda s: qgemv.qgemv_mxfp4(*dparts, nb(x[:1]), nb(out1), stream=s)))
     wd = torch.from_numpy(dequantize_mxfp4(*qw)).to("cuda", torch.bfloat16)
     t_lin = device_seconds(capture(lambda s: torch.nn.functional.linear(x, wd)))
-    nbytes = sum(a.nbytes for a in qw) * -(-batch // 8) + 2 * batch * H + 2 * batch * I
+    nbytes = qgemv.bytes_moved(I, H, batch, kind="mxfp4", batch_tile=qgemv_mma.COLS)  # one pass per 8 columns
     ceil = copy_ceiling["torch_gbps"]
     info = record(benchmark, seconds=t, nbytes=nbytes, ceiling_gbps=ceil, ratio=nbytes / t / 1e9 / ceil,
                   batch=batch, batch1_us=t1 * 1e6, torch_bf16_linear_us=t_lin * 1e6)
@@ -131,7 +131,7 @@ def _mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages, row_tiles
     t = device_seconds(capture(lambda s: qgemv.qgemv_mxfp4(*dparts, nb(x), nb(out), stream=s, config=cfg)), benchmark)
     benchmark.extra_info.update(route=route, mma_prefetch=prefetch, mma_stages=stages, mma_row_tiles=row_tiles,
                                 pdl=pdl, mma_early_y=early_y, mma_split=split, mma_x_first=x_first)
-    nbytes = sum(a.nbytes for a in qw) + 2 * H + 2 * I
+    nbytes = qgemv.bytes_moved(I, H, kind="mxfp4")
     ceil = copy_ceiling["torch_gbps"]
     # context, not the bar: a device copy of this GEMV's byte count (read + write counted, as the ceiling)
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
