@@ -4,16 +4,8 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
-
-# kernels/ is installed as ``vmmstream.kernels``. With the repository root on sys.path (``python -m pytest``
-# puts the working directory there, pytest the directory of this file) it would also be importable as a
-# top-level ``kernels`` and shadow the Hugging Face ``kernels`` package that transformers imports. The tests
-# import vmmstream as installed, so the root leaves sys.path.
-_ROOT = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _ROOT]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -18,9 +18,8 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from vmmstream.kernels import attention_decode as ad
-from vmmstream.kernels import attention_prefill as ap
-from vmmstream.kernels.launch import as_stream
+from vmmstream.kernels.attention import decode as ad, prefill as ap
+from vmmstream.kernels.base.launch import as_stream
 
 pytestmark = pytest.mark.gpu
 

@@ -19,7 +19,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vmmstream.kernels import elementwise, gemm, gemv, norm, rope, sampling
+from vmmstream.kernels.ops import elementwise
+from vmmstream.kernels.matmul.dense import gemm, gemv
+from vmmstream.kernels.ops import norm, rope, sampling
 
 pytestmark = pytest.mark.gpu
 
@@ -117,7 +119,7 @@ def copy_ceiling():
     dst = torch.empty_like(src)
     t_torch = device_seconds(capture(lambda s: dst.copy_(src), n=5), n=5)
     # a pure 16-byte copy in Numba: the gather kernel with table row i -> out row i, 8 KiB per row
-    from vmmstream.kernels import embedding
+    from vmmstream.kernels.ops import embedding
     s16, d16 = nb(src.view(torch.bfloat16)), nb(dst.view(torch.bfloat16))
     rows = s16.shape[0] // 4096
     table, out = s16.reshape(rows, 4096), d16.reshape(rows, 4096)

@@ -30,15 +30,15 @@ _R = [("simt", True, 0, 1), ("mma", True, 0, 0), ("mma", True, 0, 1), ("mma", Fa
       ("mma", True, 4, 1), ("mma", True, 5, 1)]
 _IDS = ["simt", "mma", "mma-rt1", "mma-noprefetch", "mma-cpasync3", "mma-cpasync4", "mma-cpasync5"]
 ROUTES = pytest.mark.parametrize("route,prefetch,stages,row_tiles", _R, ids=_IDS)
-# MXFP4 at batch 1: the default ("auto": the int8 tensor-core route, kernels/qgemv_imma.py, the bar's figure),
-# the bf16 routes above, and the opt-in f16 tensor-core route (kernels/qgemv_mx16.py)
+# MXFP4 at batch 1: the default ("auto": the int8 tensor-core route, kernels/matmul/quant/gemv_imma.py, the bar's figure),
+# the bf16 routes above, and the opt-in f16 tensor-core route (kernels/matmul/quant/gemv_mx16.py)
 MX_ROUTES = pytest.mark.parametrize("route,prefetch,stages,row_tiles",
                                     [("auto", True, 0, 0)] + _R + [("mx16", True, 0, 1)],
                                     ids=["default"] + _IDS + ["mx16"])
 
 
 def _quantized(kind, seed=0):
-    from vmmstream.kernels.quant import quantize_int4, quantize_mxfp4
+    from vmmstream.kernels.matmul.quant.formats import quantize_int4, quantize_mxfp4
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((I, H)) * 0.02).astype(np.float32)
     return w, (quantize_int4(w) if kind == "int4" else quantize_mxfp4(w))
@@ -47,7 +47,7 @@ def _quantized(kind, seed=0):
 @ROUTES
 def test_bench_qgemv_int4_vs_tinygemm(benchmark, copy_ceiling, route, prefetch, stages, row_tiles):
     torch = _torch()
-    from vmmstream.kernels import qgemv
+    from vmmstream.kernels.matmul.quant import gemv as qgemv
     _, qw = _quantized("int4")
     x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(1, I, device="cuda", dtype=torch.bfloat16)
@@ -99,8 +99,8 @@ def test_bench_qgemv_mxfp4_batch(benchmark, copy_ceiling, batch):
     bytes of W). No bar: GB/s of the bytes it reads ÷ the copy bandwidth of this run, and the time of batch 1
     (the default, int8 route) in the same run."""
     torch = _torch()
-    from vmmstream.kernels import qgemv, qgemv_mma
-    from vmmstream.kernels.quant import dequantize_mxfp4
+    from vmmstream.kernels.matmul.quant import gemv as qgemv, gemv_mma as qgemv_mma
+    from vmmstream.kernels.matmul.quant.formats import dequantize_mxfp4
     _, qw = _quantized("mxfp4")
     dparts = [nb(torch.from_numpy(np.ascontiguousarray(a)).cuda()) for a in qw]
     x = torch.randn(batch, H, device="cuda", dtype=torch.bfloat16)
@@ -121,7 +121,7 @@ def test_bench_qgemv_mxfp4_batch(benchmark, copy_ceiling, batch):
 def _mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages, row_tiles, pdl, early_y=False, split=None,
                      x_first=None):
     torch = _torch()
-    from vmmstream.kernels import qgemv
+    from vmmstream.kernels.matmul.quant import gemv as qgemv
     _, qw = _quantized("mxfp4")
     x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(1, I, device="cuda", dtype=torch.bfloat16)
@@ -148,7 +148,8 @@ def _mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages, row_tiles
 def test_bench_moe_decode_layer_vs_torch_loop(benchmark):
     torch = _torch()
     F = torch.nn.functional
-    from vmmstream.kernels import gemv, moe
+    from vmmstream.kernels.matmul.dense import gemv
+    from vmmstream.kernels import moe
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16, generator=g)
     wr = torch.randn(E, H, device="cuda", dtype=torch.bfloat16, generator=g) * 0.05

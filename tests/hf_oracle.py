@@ -48,7 +48,7 @@ def build_reference(arch: str, seed: int, out, common: dict, prompt: list[int], 
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     ref = model_cls.from_pretrained(out, dtype=torch.float32).eval()
     if quantize is not None:
-        from vmmstream.kernels.quant import dequantize, quantize as quantize_weight
+        from vmmstream.kernels.matmul.quant.formats import dequantize, quantize as quantize_weight
         from vmmstream.quantization import quantizable
         with torch.no_grad():
             for name, param in ref.named_parameters():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from vmmstream.kernels import moe
-from vmmstream.kernels.dtypes import bf16_to_f32
+from vmmstream.kernels.base.dtypes import bf16_to_f32
 
 HALF_ULP = 2.0 ** -8     # bf16 round to nearest: |round(v) - v| <= 2^-8 |v|
 

@@ -2,7 +2,7 @@
 
 ``load_model(path, budget, quantize="int4" | "mxfp4")`` quantizes the decoder layers' linear weights
 (q/k/v/o, gate/up/down projections; in a mixture of experts every expert's and the shared expert's, not the
-router) with the host round-to-nearest quantizers of ``kernels/quant.py`` while
+router) with the host round-to-nearest quantizers of ``kernels/matmul/quant/formats.py`` while
 the checkpoint is read. The embedding table, the output head, norms and biases stay bf16: the head decides
 every token and is read once per step, the rest is small. A weight whose input dim is not a multiple of the
 format's group (128 for int4, 32 for MXFP4) stays bf16, and the plan says so.
@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .align import align_up
+
 KINDS = ("int4", "mxfp4")
 GROUP = {"int4": 128, "mxfp4": 32}
-_ALIGN = 256
 _LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj"
                      r"|mlp\.experts\.\d+\.(gate|up|down)_proj|mlp\.shared_expert\.(gate|up|down)_proj"
                      r"|block_sparse_moe\.experts\.\d+\.w[123])\.weight$")
@@ -36,8 +37,6 @@ def check_kind(kind):
     raise ValueError(f"quantize={kind!r}: expected None, {' or '.join(repr(k) for k in KINDS)}")
 
 
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,7 @@ def layout(kind: str, shape) -> QLayout:
     offsets, off = {}, 0
     for name, (shp, dt) in parts.items():
         offsets[name] = off
-        off = _align(off + int(np.prod(shp)) * np.dtype(dt).itemsize)
+        off = align_up(off + int(np.prod(shp)) * np.dtype(dt).itemsize)
     return QLayout(kind, n, k, offsets, {p: s for p, (s, _) in parts.items()},
                    {p: np.dtype(d) for p, (_, d) in parts.items()}, off)
 
@@ -123,7 +122,7 @@ class ErrorReport:
 
     def quantize_into(self, name: str, w: np.ndarray, lay: QLayout, dst: np.ndarray) -> None:
         """Quantize fp32 ``w`` [N, K] into the uint8 payload ``dst`` (laid out as ``lay``) and record its error."""
-        from vmmstream.kernels.quant import dequantize, quantize
+        from vmmstream.kernels.matmul.quant.formats import dequantize, quantize
         qw = quantize(w, lay.kind)
         for part, arr in zip(("packed", "scales", "zeros"), qw):
             raw = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)

@@ -17,10 +17,9 @@ from numba import cuda
 
 from vmmstream.errors import WorkspaceShortfall
 from vmmstream.kernels import NONE, Lifetime
-from vmmstream.kernels import attention_decode as ad
-from vmmstream.kernels import attention_prefill as ap
-from vmmstream.kernels.dtypes import bf16_to_f32, f32_to_bf16
-from vmmstream.kernels.workspace import align_up
+from vmmstream.kernels.attention import decode as ad, prefill as ap
+from vmmstream.kernels.base.dtypes import bf16_to_f32, f32_to_bf16
+from vmmstream.kernels.base.workspace import align_up
 
 pytestmark = pytest.mark.gpu
 
@@ -154,7 +153,7 @@ def test_decode_one_captured_graph_serves_every_length():
     """Capture the two decode kernels once (at S_max), then change only the device-held length and
     replay: each replay must match the reference at that length (DESIGN §6)."""
     import torch
-    from vmmstream.kernels.launch import as_stream
+    from vmmstream.kernels.base.launch import as_stream
     S_max = 8192
     rng = np.random.default_rng(4)
     q, k, v = bf16(rng, (1, HQ, D)), bf16(rng, (S_max, HKV, D)), bf16(rng, (S_max, HKV, D))

@@ -12,8 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vmmstream.kernels import elementwise, embedding, gemm, gemv, norm, rope, sampling, scalars
-from vmmstream.kernels.dtypes import bf16_to_f32, f32_to_bf16
+from vmmstream.kernels.ops import elementwise, embedding
+from vmmstream.kernels.matmul.dense import gemm, gemv
+from vmmstream.kernels.ops import norm, rope, sampling, scalars
+from vmmstream.kernels.base.dtypes import bf16_to_f32, f32_to_bf16
 
 from gpuutil import HALF_ULP, captured, get, to_dev
 
@@ -308,7 +310,7 @@ def decode_layer_eager_vs_captured(stream, rng, hid, hq, hkv, d, mlp, s_max, p0,
     and replayed from the same starting state: every output and the KV cache equal the eager launches', bit
     for bit; a second replay at the next position equals a second eager step."""
     from numba import cuda
-    from vmmstream.kernels import attention_decode as ad
+    from vmmstream.kernels.attention import decode as ad
     eps = 1e-5
     w = dict(ln1=bf16(rng, hid), ln2=bf16(rng, hid), lnf=bf16(rng, hid),
              q=bf16(rng, (hq * d, hid), 0.02), k=bf16(rng, (hkv * d, hid), 0.02), v=bf16(rng, (hkv * d, hid), 0.02),

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from vmmstream.kernels import moe
-from vmmstream.kernels.dtypes import bf16_to_f32, f32_to_bf16
-from vmmstream.kernels.quant import dequantize_int4, dequantize_mxfp4, quantize_int4, quantize_mxfp4
+from vmmstream.kernels.base.dtypes import bf16_to_f32, f32_to_bf16
+from vmmstream.kernels.matmul.quant.formats import dequantize_int4, dequantize_mxfp4, quantize_int4, quantize_mxfp4
 
 from gpuutil import HALF_ULP, captured, get, to_dev
 from moe_checks import check_experts, check_routing, kernel_h
@@ -107,7 +107,7 @@ def test_expert_gather_from_pool_and_host_mapped_memory(stream):
     """The 4.7B preset's expert unit (gate, up, down of one expert: 69 MB), 8 experts in host-mapped pinned
     memory, 3 of them also in a device pool: the routed pair (one resident, one not) lands in the slots."""
     from numba import cuda
-    from vmmstream.kernels import expert_gather as eg
+    from vmmstream.kernels.moe import gather as eg
     rng = np.random.default_rng(5)
     e, unit = 8, 3 * 5632 * 2048 * 2
     host = cuda.mapped_array((e, unit), np.uint8)

@@ -15,9 +15,9 @@ import functools
 import numpy as np
 import pytest
 
-from vmmstream.kernels import qgemv
-from vmmstream.kernels.dtypes import bf16_to_f32, f32_to_bf16
-from vmmstream.kernels.quant import dequantize_int4, dequantize_mxfp4, quantize_int4, quantize_mxfp4
+from vmmstream.kernels.matmul.quant import gemv as qgemv
+from vmmstream.kernels.base.dtypes import bf16_to_f32, f32_to_bf16
+from vmmstream.kernels.matmul.quant.formats import dequantize_int4, dequantize_mxfp4, quantize_int4, quantize_mxfp4
 
 from gpuutil import HALF_ULP, get, to_dev
 
@@ -105,7 +105,7 @@ def test_qgemv_int4_quantization_error_is_small_vs_dense(stream, rng):
 @pytest.mark.parametrize("route", ["in_register", "dense_cache"])
 def test_qgemm_routes_at_llama_shapes(stream, rng, kind, route):
     """qgemm, both routes, M = 77 prompt rows x [4096 -> 14336] with bias, against x · dequantized(W)ᵀ."""
-    from vmmstream.kernels import qgemm
+    from vmmstream.kernels.matmul.quant import gemm as qgemm
     m, n, k = 77, I, H
     w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
     x = f32_to_bf16(rng.standard_normal((m, k)).astype(np.float32))
@@ -202,7 +202,7 @@ def test_qgemv_mma_mxfp4_chains_and_x_first(stream, rng, n, k, bias, row_tiles):
 
 @pytest.mark.parametrize("n,k,bias", [(I, H, False), (H, I, True)])
 def test_qgemv_mx16_route(stream, rng, n, k, bias):
-    """MXFP4 at batch 1 on f16 tensor cores (kernels/qgemv_mx16.py) at Llama-8B MLP shapes: x staged in one
+    """MXFP4 at batch 1 on f16 tensor cores (kernels/matmul/quant/gemv_mx16.py) at Llama-8B MLP shapes: x staged in one
     tile (K 4096) and in four (K 14336), then the same call through the default route (the mma route's
     batch-1 path, block scales on D); same bounds as the others."""
     from numba import cuda
@@ -224,7 +224,7 @@ def test_qgemv_mma_pdl_reads_x_after_the_kernel_before_it(stream, rng, kind, b):
     and only then writes x over zeros; the GEMV, loading W meanwhile, must multiply the new x. Batch 1 and 11
     (the two loops). A second, plain launch on the same data gives the same bits."""
     from numba import cuda
-    from vmmstream.kernels.launch import grid_dependents_launch
+    from vmmstream.kernels.base.launch import grid_dependents_launch
 
     @cuda.jit
     def produce(src, dst):

@@ -1,4 +1,4 @@
-"""The batch-1 MXFP4 GEMV on integer tensor cores (``kernels/qgemv_imma.py``) on the GPU, at the decode shapes:
+"""The batch-1 MXFP4 GEMV on integer tensor cores (``kernels/matmul/quant/gemv_imma.py``) on the GPU, at the decode shapes:
 against the x the kernel applies (``x_as_applied``, the fp64 product; one bf16 rounding plus fp32 slack), and
 against the given x with the rounding's bound added; a non-finite x gives NaN; a captured replay gives the same
 bits as the eager launch."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vmmstream.kernels import qgemv_imma
-from vmmstream.kernels.dtypes import bf16_to_f32, f32_to_bf16
-from vmmstream.kernels.quant import dequantize_mxfp4, quantize_mxfp4
+from vmmstream.kernels.matmul.quant import gemv_imma as qgemv_imma
+from vmmstream.kernels.base.dtypes import bf16_to_f32, f32_to_bf16
+from vmmstream.kernels.matmul.quant.formats import dequantize_mxfp4, quantize_mxfp4
 
 from gpuutil import HALF_ULP, captured, get, to_dev
 
@@ -95,8 +95,8 @@ def test_qgemv_mxfp4_default_route_is_imma_and_waits_for_x(stream, pdl):
     with ``pdl`` it may start while the kernel before it runs: the producer here lets it start at once, sleeps
     a few ms and only then writes x over zeros; the GEMV, loading W meanwhile, must multiply the new x."""
     from numba import cuda
-    from vmmstream.kernels import qgemv
-    from vmmstream.kernels.launch import grid_dependents_launch
+    from vmmstream.kernels.matmul.quant import gemv as qgemv
+    from vmmstream.kernels.base.launch import grid_dependents_launch
 
     @cuda.jit
     def produce(src, dst):

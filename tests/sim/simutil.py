@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from vmmstream.kernels.dtypes import f32_to_bf16
+from vmmstream.kernels.base.dtypes import f32_to_bf16
 
 HALF_ULP = 2.0 ** -8     # bf16 round to nearest: |round(v) - v| <= 2^-8 |v|
 

@@ -24,10 +24,9 @@ from numba import cuda
 
 from vmmstream.errors import WorkspaceShortfall
 from vmmstream.kernels import NONE, Lifetime
-from vmmstream.kernels import attention_decode as ad
-from vmmstream.kernels import attention_prefill as ap
-from vmmstream.kernels.dtypes import bf16_to_f32, f32_to_bf16
-from vmmstream.kernels.workspace import align_up
+from vmmstream.kernels.attention import decode as ad, prefill as ap
+from vmmstream.kernels.base.dtypes import bf16_to_f32, f32_to_bf16
+from vmmstream.kernels.base.workspace import align_up
 
 pytestmark = pytest.mark.sim
 

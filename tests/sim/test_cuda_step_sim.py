@@ -36,7 +36,10 @@ def _small_blocks(monkeypatch):
     shapes are tested in their own sim tests: a few hundred simulated threads per launch, not thousands."""
     import functools
 
-    from vmmstream.kernels import gemv, moe, moe_ffn, qgemv
+    from vmmstream.kernels.matmul.dense import gemv
+    from vmmstream.kernels import moe
+    from vmmstream.kernels.moe import experts as moe_ffn
+    from vmmstream.kernels.matmul.quant import gemv as qgemv
     monkeypatch.setattr(gemv, "_auto", lambda n, b, cfg: (32, 4 if n % 4 == 0 else 1,
                                                           1 if b == 1 else 2 if b == 2 else 4))
     monkeypatch.setattr(qgemv, "QgemvConfig", functools.partial(qgemv.QgemvConfig, threads=32))

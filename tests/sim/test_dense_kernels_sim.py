@@ -13,9 +13,11 @@ from numba import cuda
 
 from vmmstream.errors import WorkspaceShortfall
 from vmmstream.kernels import NONE, Lifetime
-from vmmstream.kernels import elementwise, embedding, gemm, gemv, norm, rope, sampling, scalars
-from vmmstream.kernels.dtypes import bf16_to_f32, f32_to_bf16
-from vmmstream.kernels.launch import vec8_ok
+from vmmstream.kernels.ops import elementwise, embedding
+from vmmstream.kernels.matmul.dense import gemm, gemv
+from vmmstream.kernels.ops import norm, rope, sampling, scalars
+from vmmstream.kernels.base.dtypes import bf16_to_f32, f32_to_bf16
+from vmmstream.kernels.base.launch import vec8_ok
 
 from simutil import HALF_ULP, bf16, dev
 

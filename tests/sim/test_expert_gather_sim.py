@@ -1,4 +1,4 @@
-"""The routed-expert gather (kernels/expert_gather.py) in the simulator against its reference: resident units
+"""The routed-expert gather (kernels/moe/gather.py) in the simulator against its reference: resident units
 come from the pool, the others from the host copy, the mapping is the slot order, counters add up."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from vmmstream.kernels import expert_gather as eg
+from vmmstream.kernels.moe import gather as eg
 
 pytestmark = pytest.mark.sim
 

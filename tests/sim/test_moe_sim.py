@@ -18,8 +18,8 @@ from numba import cuda
 
 from vmmstream.errors import WorkspaceShortfall
 from vmmstream.kernels import NONE, Lifetime, moe
-from vmmstream.kernels.dtypes import bf16_to_f32, f32_to_bf16
-from vmmstream.kernels.quant import dequantize_int4, dequantize_mxfp4
+from vmmstream.kernels.base.dtypes import bf16_to_f32, f32_to_bf16
+from vmmstream.kernels.matmul.quant.formats import dequantize_int4, dequantize_mxfp4
 
 from moe_checks import check_experts, check_routing, kernel_h
 from simutil import HALF_ULP, bf16, dev

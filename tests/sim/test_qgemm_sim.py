@@ -20,10 +20,11 @@ import pytest
 from numba import cuda
 
 from vmmstream.errors import WorkspaceShortfall
-from vmmstream.kernels import NONE, Lifetime, qgemm
-from vmmstream.kernels.dtypes import bf16_to_f32, f32_to_bf16
-from vmmstream.kernels.quant import quantize_int4, quantize_mxfp4
-from vmmstream.kernels.workspace import ALIGN, align_up
+from vmmstream.kernels import NONE, Lifetime
+from vmmstream.kernels.matmul.quant import gemm as qgemm
+from vmmstream.kernels.base.dtypes import bf16_to_f32, f32_to_bf16
+from vmmstream.kernels.matmul.quant.formats import quantize_int4, quantize_mxfp4
+from vmmstream.kernels.base.workspace import ALIGN, align_up
 
 from simutil import dev
 

@@ -1,4 +1,4 @@
-"""The batch-1 MXFP4 GEMV on integer tensor cores (``kernels/qgemv_imma.py``) in the Numba CUDA simulator:
+"""The batch-1 MXFP4 GEMV on integer tensor cores (``kernels/matmul/quant/gemv_imma.py``) in the Numba CUDA simulator:
 ``prmt`` and ``mma.sync.m16n8k32`` s8 emulated, against NumPy.
 
 The kernel's sums are exact integers for the x it applies (``x_as_applied``: x rounded per block of 32 to 14
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from vmmstream.kernels import qgemv_imma
-from vmmstream.kernels.dtypes import bf16_to_f32, f32_to_bf16
-from vmmstream.kernels.quant import dequantize_mxfp4, quantize_mxfp4
+from vmmstream.kernels.matmul.quant import gemv_imma as qgemv_imma
+from vmmstream.kernels.base.dtypes import bf16_to_f32, f32_to_bf16
+from vmmstream.kernels.matmul.quant.formats import dequantize_mxfp4, quantize_mxfp4
 
 from simutil import HALF_ULP, dev
 
@@ -98,7 +98,7 @@ def test_x_as_applied_rounding():
 def test_qgemv_mxfp4_default_route_at_batch_1_is_imma():
     """``qgemv_mxfp4`` with the default config: batch 1 on this kernel (the same bits as a direct launch),
     batch 2 on the bf16 route (against the unrounded x, the other GEMV tests' tolerance)."""
-    from vmmstream.kernels import qgemv
+    from vmmstream.kernels.matmul.quant import gemv as qgemv
     qw, x, _ = case(21, 16, 256, False, outlier=True)
     direct = run(qw, x, None, 1)
     out = cuda.device_array((1, 16), np.uint16)

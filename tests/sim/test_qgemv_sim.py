@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from vmmstream.kernels import NONE, qgemv
-from vmmstream.kernels.dtypes import bf16_to_f32, f32_to_bf16
-from vmmstream.kernels.quant import dequantize_int4, dequantize_mxfp4, quantize_int4, quantize_mxfp4
+from vmmstream.kernels import NONE
+from vmmstream.kernels.matmul.quant import gemv as qgemv
+from vmmstream.kernels.base.dtypes import bf16_to_f32, f32_to_bf16
+from vmmstream.kernels.matmul.quant.formats import dequantize_int4, dequantize_mxfp4, quantize_int4, quantize_mxfp4
 
 from simutil import HALF_ULP, dev
 
@@ -127,7 +128,7 @@ def test_qgemv_declares_no_workspace():
     (9, 640, 10, False, np.float32, True, 3),   # batch 10: two column tiles of 8 (tiles of 4 groups), N < 16; ring of 3
 ])
 def test_qgemv_int4_mma_route_matches_reference(n, k, b, bias, scale_dtype, prefetch, stages):
-    """The tensor-core route (kernels/qgemv_mma.py): packed bf16 pairs of nibbles (j, j + 4), zero point
+    """The tensor-core route (kernels/matmul/quant/gemv_mma.py): packed bf16 pairs of nibbles (j, j + 4), zero point
     taken off by the packed fma, x staged in shared memory as the matching pairs, the mma emulated lane by
     lane with the PTX fragment layouts."""
     qw, x, bb, out = int4_case(n * k + b + 7, n, k, b, bias, scale_dtype)
@@ -179,8 +180,8 @@ def test_qgemv_mxfp4_mma_route_matches_reference(n, k, b, bias, prefetch, stages
 ])
 def test_qgemv_mxfp4_batch1_block_scale_on_d_matches_reference(route, n, k, bias, x_scale, outlier_tile, edge):
     """MXFP4 at batch 1 with the block scale applied to the mma's D, x staged scaled by its tile's
-    largest value: ``mx16`` (kernels/qgemv_mx16.py: E2M1 codes spread into E4M3 bytes, converted to exact
-    f16 pairs, x as f16) and the default ``mma`` route (kernels/qgemv_mma.py: bf16 codes · 2^-126, x as
+    largest value: ``mx16`` (kernels/matmul/quant/gemv_mx16.py: E2M1 codes spread into E4M3 bytes, converted to exact
+    f16 pairs, x as f16) and the default ``mma`` route (kernels/matmul/quant/gemv_mma.py: bf16 codes · 2^-126, x as
     bf16 · 2^c, B's column 2t holding x only at MX block t so that D column 2t is that block's sum).
     Rows with block scales 2^-127 (e = 0), tiny and large. With three tiles, the first holds only an
     outlier 10^10 times the later values (against zero weights): a later tile scaled by the first tile's
@@ -337,7 +338,7 @@ def test_qgemv_mma_row_tiles_checked():
 def test_auto_row_tiles():
     """Blocks of several row tiles are picked only where they fill a 132-SM device in one wave without
     loading an SM with more tiles than blocks of one tile would."""
-    from vmmstream.kernels.qgemv_mma import auto_row_tiles
+    from vmmstream.kernels.matmul.quant.gemv_mma import auto_row_tiles
     got = {n: auto_row_tiles(n, 132) for n in (14336, 8192, 6144, 4096, 3072, 1024, 28672)}
     assert got == {14336: 7, 8192: 4, 6144: 3, 4096: 2, 3072: 1, 1024: 1, 28672: 1}
     assert auto_row_tiles(14336, 0) == 1          # the simulator (no SM count)

@@ -74,7 +74,7 @@ def test_the_reference_safetensors_reader_agrees(tiny):
 
 
 def test_fast_bf16_conversion_matches_the_kernels_reference():
-    from vmmstream.kernels.dtypes import f32_to_bf16
+    from vmmstream.kernels.base.dtypes import f32_to_bf16
     x = np.random.default_rng(0).standard_normal(100_000, dtype=np.float32) * np.float32(0.02)
     edges = np.array([0.0, -0.0, 1.0, -1.0, 3.4028235e38, -3.4028235e38, 1e-45, 1.00390625, 1.01171875,
                       np.float32(1.0) + np.float32(2**-8), 65504.0], dtype=np.float32)

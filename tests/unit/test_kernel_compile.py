@@ -17,9 +17,10 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-KERNEL_MODULES = ["gemv", "qgemv", "qgemv_mma", "qgemv_mx16", "qgemv_imma", "gemm", "qgemm", "expert_gather", "norm", "rope", "elementwise", "embedding", "sampling", "scalars", "moe"]
-# Written elsewhere; checked the same way as soon as they exist.
-OPTIONAL_MODULES = ["attention_prefill", "attention_decode"]
+KERNEL_MODULES = ["matmul.dense.gemv", "matmul.dense.gemm", "matmul.quant.gemv", "matmul.quant.gemv_mma",
+                  "matmul.quant.gemv_mx16", "matmul.quant.gemv_imma", "matmul.quant.gemm", "moe.gather", "moe",
+                  "ops.norm", "ops.rope", "ops.elementwise", "ops.embedding", "ops.sampling", "ops.scalars",
+                  "attention.prefill", "attention.decode"]
 CC = (9, 0)
 
 
@@ -30,14 +31,8 @@ def _require_compiler():
                     "without NUMBA_ENABLE_CUDASIM=1", pytrace=False)
 
 
-def _import(name: str, optional: bool):
-    full = f"vmmstream.kernels.{name}"
-    try:
-        return importlib.import_module(full)
-    except ModuleNotFoundError as e:
-        if optional and e.name == full:
-            return None
-        raise
+def _import(name: str):
+    return importlib.import_module(f"vmmstream.kernels.{name}")
 
 
 def _compile_all(mod):
@@ -58,21 +53,10 @@ def _compile_all(mod):
 @pytest.mark.parametrize("name", KERNEL_MODULES)
 def test_kernels_compile_for_sm90(name):
     _require_compiler()
-    mod = _import(name, optional=False)
+    mod = _import(name)
     for attr in ("SIGNATURES", "CAPTURE_SAFE", "workspace_requirement", "bytes_moved", "flops"):
         assert hasattr(mod, attr), f"kernel module {name} lacks {attr}"
     assert mod.SIGNATURES, f"{name}.SIGNATURES is empty"
-    compiled, failures = _compile_all(mod)
-    assert not failures, f"{name}: {len(failures)} of {compiled + len(failures)} failed:\n" + "\n".join(failures)
-
-
-@pytest.mark.parametrize("name", OPTIONAL_MODULES)
-def test_optional_kernels_compile_for_sm90(name):
-    _require_compiler()
-    mod = _import(name, optional=True)
-    if mod is None:
-        return   # not written yet: nothing to check (the test starts checking once the module exists)
-    assert getattr(mod, "SIGNATURES", None), f"kernel module {name} must list SIGNATURES"
     compiled, failures = _compile_all(mod)
     assert not failures, f"{name}: {len(failures)} of {compiled + len(failures)} failed:\n" + "\n".join(failures)
 
@@ -81,7 +65,8 @@ def test_device_helpers_emit_vector_memory_ops():
     """The 16-byte load/store intrinsics really are single v4 instructions (the GEMV's speed relies on it)."""
     _require_compiler()
     from numba import cuda
-    from vmmstream.kernels import gemv, norm
+    from vmmstream.kernels.matmul.dense import gemv
+    from vmmstream.kernels.ops import norm
     ptx, _ = cuda.compile_ptx(*gemv.SIGNATURES[0], cc=CC)
     assert "ld.global.nc.v4.u32" in ptx and "shfl.sync.bfly" in ptx
     ptx, _ = cuda.compile_ptx(*norm.SIGNATURES[0], cc=CC)
@@ -93,7 +78,7 @@ def test_integer_gemv_emits_imma_and_prmt():
     two groups) and ``prmt`` (the E2M1 table lookups)."""
     _require_compiler()
     from numba import cuda
-    from vmmstream.kernels import qgemv_imma
+    from vmmstream.kernels.matmul.quant import gemv_imma as qgemv_imma
     ptx, _ = cuda.compile_ptx(*qgemv_imma.SIGNATURES[0], cc=CC)
     assert ptx.count("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32") == 8
     assert "prmt.b32" in ptx
@@ -104,7 +89,7 @@ def test_launch_pdl_hands_cuda_core_its_own_stream_type():
     deprecates foreign stream objects): a ``__cuda_stream__`` object keeps its handle, 0 is the default
     stream, a cuda.core stream passes through, anything else is a ``TypeError``."""
     from cuda.core import Stream
-    from vmmstream.kernels.launch import _core_stream
+    from vmmstream.kernels.base.launch import _core_stream
 
     class Foreign:
         def __init__(self, version, handle):

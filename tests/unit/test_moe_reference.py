@@ -1,4 +1,4 @@
-"""The NumPy MoE reference (``kernels/moe_reference.py``: router + experts + combine) against transformers' sparse MoE
+"""The NumPy MoE reference (``kernels/moe/reference.py``: router + experts + combine) against transformers' sparse MoE
 blocks (Mixtral, Qwen2-MoE with its gated shared expert, Qwen3-MoE) and against a plain torch loop.
 
 transformers runs in fp32 from bf16-valued weights and inputs; the reference rounds gate, up and h to bf16
@@ -17,8 +17,9 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from vmmstream.kernels import gemv, moe
-from vmmstream.kernels.dtypes import bf16_to_f32, f32_to_bf16
+from vmmstream.kernels.matmul.dense import gemv
+from vmmstream.kernels import moe
+from vmmstream.kernels.base.dtypes import bf16_to_f32, f32_to_bf16
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Host quantizers (kernels/quant.py): round trips within each format's bound, exact values survive,
+"""Host quantizers (kernels/matmul/quant/formats.py): round trips within each format's bound, exact values survive,
 packing order, degenerate groups, bad input, the error report. No GPU, no simulator."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vmmstream.kernels import quant
-from vmmstream.kernels.quant import (E2M1_VALUES, dequantize_int4, dequantize_mxfp4, pack_e2m1, pack_nibbles,
-                                     quantization_error, quantize_int4, quantize_mxfp4, unpack_e2m1, unpack_nibbles)
+from vmmstream.kernels.matmul.quant import formats as quant
+from vmmstream.kernels.matmul.quant.formats import (E2M1_VALUES, dequantize_int4, dequantize_mxfp4, pack_e2m1,
+    pack_nibbles, quantization_error, quantize_int4, quantize_mxfp4, unpack_e2m1, unpack_nibbles)
 
 pytestmark = pytest.mark.unit
 

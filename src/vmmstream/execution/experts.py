@@ -10,7 +10,7 @@ import ctypes
 
 import numpy as np
 
-from .weights import _align
+from ..align import align_up
 
 
 class Experts:
@@ -26,7 +26,7 @@ class Experts:
 
     def __init__(self, weights, ep):
         self.w, self.ep = weights, ep
-        self.U = _align(ep.unit_payload)
+        self.U = align_up(ep.unit_payload)
         self.loc = np.full((ep.layers, ep.per_layer), -1, np.int32)
         self.owner = list(ep.resident)                 # pool index -> (layer, e)
         for r, u in enumerate(self.owner):
@@ -68,7 +68,7 @@ class Experts:
             off = 0
             for t in ts:
                 t.unit, t.unit_off = unit, off
-                off += _align(t.payload)
+                off += align_up(t.payload)
             if off != ep.unit_payload:
                 raise ValueError(f"expert unit {unit}: {off} bytes, the plan has {ep.unit_payload}")
         self.units = by_unit

@@ -34,9 +34,11 @@ class HostOps:
     backend = "host"
 
     def __init__(self, driver):
-        from vmmstream.kernels import (attention_decode, attention_prefill, elementwise, embedding, gemm,
-                                       gemv, norm, rope, sampling, scalars)
-        from vmmstream.kernels.dtypes import f32_to_bf16
+        from vmmstream.kernels.attention import decode as attention_decode, prefill as attention_prefill
+        from vmmstream.kernels.ops import elementwise, embedding
+        from vmmstream.kernels.matmul.dense import gemm, gemv
+        from vmmstream.kernels.ops import norm, rope, sampling, scalars
+        from vmmstream.kernels.base.dtypes import f32_to_bf16
         self.driver = driver
         self.k = dict(attention_decode=attention_decode, attention_prefill=attention_prefill,
                       elementwise=elementwise, embedding=embedding, gemm=gemm, gemv=gemv, norm=norm, rope=rope,
@@ -115,7 +117,7 @@ class HostOps:
     @staticmethod
     def _qref(w, x, bias):
         """x · dequantized(w)ᵀ (+ bias) in fp32: the quantized kernels' reference (one bf16 rounding on store)."""
-        from vmmstream.kernels import qgemv
+        from vmmstream.kernels.matmul.quant import gemv as qgemv
         if w.kind == "int4":
             return qgemv.reference_int4(w.packed, w.scales, w.zeros, x, bias, rounded=False)
         return qgemv.reference_mxfp4(w.packed, w.scales, x, bias, rounded=False)
@@ -234,7 +236,7 @@ class HostOps:
         def run():
             y = np.asarray(acc, np.float64)
             if shared is not None:
-                from vmmstream.kernels.dtypes import bf16_to_f32
+                from vmmstream.kernels.base.dtypes import bf16_to_f32
                 sh = bf16_to_f32(shared).astype(np.float64)
                 g = 1.0 / (1.0 + np.exp(-np.asarray(shared_gate, np.float64))) if shared_gate is not None else 1.0
                 y = y + g * sh
@@ -272,8 +274,10 @@ class CudaOps:
     def __init__(self, driver):
         from numba import cuda
 
-        from vmmstream.kernels import (attention_decode, attention_prefill, elementwise, embedding, gemm,
-                                       gemv, norm, rope, sampling, scalars)
+        from vmmstream.kernels.attention import decode as attention_decode, prefill as attention_prefill
+        from vmmstream.kernels.ops import elementwise, embedding
+        from vmmstream.kernels.matmul.dense import gemm, gemv
+        from vmmstream.kernels.ops import norm, rope, sampling, scalars
         self.cuda = cuda
         self.driver = driver
         self.k = dict(attention_decode=attention_decode, attention_prefill=attention_prefill,
@@ -316,7 +320,7 @@ class CudaOps:
 
     @staticmethod
     def _va(arr) -> int:
-        from vmmstream.kernels.launch import data_ptr
+        from vmmstream.kernels.base.launch import data_ptr
         return data_ptr(arr)
 
     # -- mixture of experts --
@@ -337,7 +341,7 @@ class CudaOps:
 
     def expert_gather(self, s, ex, layer, topk_ids, mapped):
         """Decode: the routed experts' units into the slots, from the pool or the pinned host copy."""
-        from vmmstream.kernels import expert_gather
+        from vmmstream.kernels.moe import gather as expert_gather
         self.launches += 1
         E, U = ex.ep.per_layer, ex.U
         host = self.view(ex.host_base + layer * E * U, (E, U), np.uint8)
@@ -414,7 +418,7 @@ class CudaOps:
         # after it. Safe here because no kernel writes a dense weight: streamed layers are copied on the copy
         # stream, and this stream waits for them (an event) before the layer's first kernel. The only kernel
         # that writes weights, the MoE expert gather, is followed by the expert kernels, never by this GEMV.
-        from vmmstream.kernels import qgemv
+        from vmmstream.kernels.matmul.quant import gemv as qgemv
         cfg = qgemv.QgemvConfig(pdl=True)
         if w.kind == "int4":
             qgemv.qgemv_int4(w.packed, w.scales, w.zeros, x, out, bias=bias, stream=self._s(s), config=cfg)
@@ -425,7 +429,7 @@ class CudaOps:
         self.launches += 1
         if _is_q(w):
             # prefill over quantized weights: the GEMM that dequantizes its W tiles in registers (no cache)
-            from vmmstream.kernels import qgemm
+            from vmmstream.kernels.matmul.quant import gemm as qgemm
             if w.kind == "int4":
                 qgemm.qgemm_int4(w.packed, w.scales, w.zeros, x, out, bias=bias, route=qgemm.IN_REGISTER,
                                  stream=self._s(s))
@@ -457,7 +461,7 @@ class CudaOps:
         t, h, d = k.shape
         n = t * h * d
         if n:
-            from vmmstream.kernels.launch import as_stream
+            from vmmstream.kernels.base.launch import as_stream
             self.launches += 1
             self._kv_kernel[(n + 255) // 256, 256, as_stream(self._s(s))](k, v, ck, cv, positions, h, d, n)
 

@@ -26,9 +26,9 @@ import math
 
 import numpy as np
 
+from ..align import align_up
 from ..errors import VmmstreamError
 
-_ALIGN = 256
 
 
 class Activations:
@@ -64,7 +64,7 @@ class Activations:
         for name, (shape, dt, per_t) in self.spec.items():
             n = math.prod(shape) * np.dtype(dt).itemsize * (tmax if per_t else 1)
             self.offsets[name] = off
-            off = -(-(off + n) // _ALIGN) * _ALIGN
+            off = align_up(off + n)
         self.nbytes = off
         if off > plan.activations:
             raise VmmstreamError(f"activation layout needs {off} bytes, the plan has {plan.activations}; "

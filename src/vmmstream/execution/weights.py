@@ -21,15 +21,13 @@ import sys
 
 import numpy as np
 
+from ..align import align_up
 from ..budget import format_bytes
 
 EMBED = "model.embed_tokens.weight"
-_ALIGN = 256
 _PROGRESS_MIN_BYTES = 64 << 20
 
 
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 class Tensor:
@@ -119,7 +117,7 @@ class Weights:
         offsets, off = {}, 0
         for t in host:
             offsets[t.name] = off
-            off = _align(off + t.payload)
+            off = align_up(off + t.payload)
         units_off = off
         if self.experts is not None and self.experts.on_demand:
             off += self.experts.host_bytes
@@ -143,7 +141,7 @@ class Weights:
         """Read every tensor once (file, then offset order): host copies land in place, resident ones go
         through the staging area to their VA. f16/f32 checkpoints are converted to bf16 on the way; weights
         to quantize are quantized from their checkpoint values."""
-        from vmmstream.kernels.dtypes import bf16_to_f32, f32_to_bf16
+        from vmmstream.kernels.base.dtypes import bf16_to_f32, f32_to_bf16
         infos = [ck.tensors[name] for name in self.tensors]
         total = sum(i.nbytes for i in infos)
         report = _progress_printer(total, progress)

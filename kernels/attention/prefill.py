@@ -1,0 +1,472 @@
+"""Causal grouped-query prefill attention: bf16 storage (uint16 bit patterns), fp32 accumulation.
+
+    q:   [T, Hq, D]      queries at positions [start_pos, start_pos + T)
+    k,v: [S, Hkv, D]     the layer's sequence-major KV cache, S >= start_pos + T (a longer cache is fine)
+    out: [T, Hq, D]      query row i attends to keys [0, start_pos + i]
+
+Hq is a multiple of Hkv; query head h reads KV head h // (Hq // Hkv).
+
+Routes (``choose_route`` picks one, ``route=`` overrides):
+- ``"fused_mma"``: flash-style, tensor cores via ``mma.sync`` (see ``mma_helpers``), online softmax in
+  registers, D in {64, 128}. No workspace (``NONE``).
+- ``"fused"``: the same algorithm on fp32 FMA, K/V tiles through shared memory. D in {64, 128}. No
+  workspace. The fallback, and the route the simulator checks the algorithm with.
+- ``"materialized"``: any D. Writes fp32 scores ``[Hq, T, Sk]`` (Sk = start_pos + T) into a declared
+  step-lifetime workspace, then a row-softmax-times-V kernel. For shapes the fused routes do not take.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32, float64, uint32
+
+from vmmstream.kernels.base import launch as la, mma as mh
+from vmmstream.kernels.base.dtypes import bf16_to_f32, dev_bf16_to_f32, dev_f32_to_bf16
+from vmmstream.kernels.base.workspace import NONE, Lifetime, WorkspaceRequirement, check_view, layout
+
+FUSED, FUSED_MMA, MATERIALIZED = "fused", "fused_mma", "materialized"
+ROUTES = (FUSED_MMA, FUSED, MATERIALIZED)
+FUSED_HEAD_DIMS = (64, 128)
+CAPTURE_SAFE = True   # no allocation, no host sync, fixed grid for fixed shapes (prefill itself runs eagerly)
+NEG_INF = float32(-math.inf)
+LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------- host side
+
+def reference(q, k, v, *, start_pos=0, scale=None):
+    """NumPy reference. Inputs are bf16 bit patterns (uint16); returns fp32 ``[T, Hq, D]``."""
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    n_keys = start_pos + T
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    qf = bf16_to_f32(q).astype(np.float64).transpose(1, 0, 2)                        # [Hq, T, D]
+    kf = np.repeat(bf16_to_f32(k[:n_keys]).astype(np.float64), Hq // Hkv, axis=1)   # [Sk, Hq, D]
+    vf = np.repeat(bf16_to_f32(v[:n_keys]).astype(np.float64), Hq // Hkv, axis=1)
+    s = (qf @ kf.transpose(1, 2, 0)) * scale                                          # [Hq, T, Sk]
+    mask = np.arange(n_keys)[None, :] > (start_pos + np.arange(T))[:, None]          # [T, Sk]
+    s[:, mask] = -np.inf
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    return (p @ vf.transpose(1, 0, 2)).transpose(1, 0, 2).astype(np.float32)
+
+
+def choose_route(T, Hq, Hkv, D, *, start_pos=0):
+    """Fused tensor-core route where it applies, else the materialized fallback."""
+    if D in FUSED_HEAD_DIMS and Hq % Hkv == 0:
+        return FUSED_MMA
+    return MATERIALIZED
+
+
+def _layout(T, Hq, D, start_pos, route):
+    if route in (FUSED, FUSED_MMA):
+        return layout()
+    if route != MATERIALIZED:
+        raise ValueError(f"unknown prefill route {route!r}; expected one of {ROUTES}")
+    return layout(scores=Hq * T * (start_pos + T) * 4)      # fp32 [Hq, T, Sk]
+
+
+def workspace_requirement(T, Hq, Hkv, D, *, start_pos=0, route=None):
+    """What a launch at these shapes needs: ``NONE`` for the fused routes, step-lifetime scores otherwise."""
+    route = route or choose_route(T, Hq, Hkv, D, start_pos=start_pos)
+    total = _layout(T, Hq, D, start_pos, route).total
+    return NONE if total == 0 else WorkspaceRequirement(total, Lifetime.STEP)
+
+
+def flops(T, Hq, D, *, start_pos=0):
+    """Causal attention FLOPs: 2 matmuls x 2 flops x D per (query, visible key) pair."""
+    pairs = T * start_pos + T * (T + 1) // 2
+    return 4 * D * Hq * pairs
+
+
+def bytes_moved(T, Hq, Hkv, D, *, start_pos=0, route=None):
+    """Compulsory HBM bytes: q, k and v up to start_pos + T, out (bf16); plus scores if materialized."""
+    n = 2 * (2 * T * Hq * D + 2 * (start_pos + T) * Hkv * D)
+    if (route or choose_route(T, Hq, Hkv, D, start_pos=start_pos)) == MATERIALIZED:
+        n += 3 * Hq * T * (start_pos + T) * 4        # scores written, read twice (max/sum, then p @ v)
+    return n
+
+
+# ----------------------------------------------------------------------------- fused fp32-FMA route
+
+@cuda.jit(device=True, inline="always")
+def _tile_load(src, buf, k0, kvh, n_keys, NU, DG, NT):
+    """buf <- this thread's NU 16-byte pieces of rows [k0, k0 + NU*NT/DG) of src[:, kvh, :] (zeros past
+    n_keys). All loads are issued before any use: one memory round trip per tile, not one per piece."""
+    tid = cuda.threadIdx.x
+    for u in range(NU):
+        c, dg = (tid + NT * u) // DG, (tid + NT * u) % DG
+        if k0 + c < n_keys:
+            w0, w1, w2, w3 = la.ld8(src, (k0 + c, kvh, 8 * dg))
+        else:
+            w0 = w1 = w2 = w3 = uint32(0)
+        buf[4 * u], buf[4 * u + 1], buf[4 * u + 2], buf[4 * u + 3] = w0, w1, w2, w3
+
+
+@cuda.jit(device=True, inline="always")
+def _tile_store_f32(dst, buf, NU, DG, NT):
+    """dst[row, 8*dg + e] = fp32 of the pieces ``_tile_load`` left in buf."""
+    tid = cuda.threadIdx.x
+    for u in range(NU):
+        c, dg = (tid + NT * u) // DG, (tid + NT * u) % DG
+        for x in range(4):
+            dst[c, 8 * dg + 2 * x] = mh.bf16_lo(buf[4 * u + x])
+            dst[c, 8 * dg + 2 * x + 1] = mh.bf16_hi(buf[4 * u + x])
+
+
+_F_BM, _F_BN, _F_THREADS = 64, 32, 256   # query rows per block, keys per tile; threads as 16 x 16
+
+
+def _make_fused(D):
+    """Kernel for head dim D: thread (ty, tx) owns score rows 4ty..4ty+3 x keys {tx, tx+16} and output
+    rows 4ty..4ty+3 x dims {tx + 16j}. Row softmax is done by 64 row-owner threads from shared memory, so
+    no warp shuffles are needed and the simulator runs exactly this code."""
+    BM, BN, NT = _F_BM, _F_BN, _F_THREADS
+    DW, NJ, DG = D // 2, D // 16, D // 8
+    KVW, PW = D + 1, BN + 1           # padded row lengths (+1 word: no bank conflicts down a column)
+    QU, KU = BM * DG // NT, BN * DG // NT   # 16-byte loads per thread: Q tile, K (or V) tile
+    KB4 = 4 * KU
+
+    @mh.kernel((NT, 2))   # <= 128 registers: two blocks (16 warps) per SM
+    def fused(q, k, v, out, start_pos, n_keys, scale, group):
+        # q: [T, Hq, D], k/v: [S, Hkv, D], out: [T, Hq, D]; all bf16 (u16), rows 16-byte aligned
+        qs = cuda.shared.array((BM, DW), uint32)         # Q tile, packed bf16 (halves shared use)
+        kv = cuda.shared.array((BN, KVW), float32)       # K then V tile, fp32
+        ps = cuda.shared.array((BM, PW), float32)    # scores, then probabilities
+        alpha = cuda.shared.array(BM, float32)           # per-row rescale of this tile, then 1/l
+        kb = cuda.local.array(KB4, uint32)               # a tile's 16-byte loads, in flight together
+        T = q.shape[0]
+        h = cuda.blockIdx.y
+        kvh = h // group
+        q0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BM   # longest causal rows first
+        tid = cuda.threadIdx.x
+        ty, tx = tid // 16, tid % 16
+        for u in range(QU):
+            r, dg = (tid + NT * u) // DG, (tid + NT * u) % DG
+            if q0 + r < T:
+                w0, w1, w2, w3 = la.ld8(q, (q0 + r, h, 8 * dg))
+            else:
+                w0 = w1 = w2 = w3 = uint32(0)
+            qs[r, 4 * dg], qs[r, 4 * dg + 1], qs[r, 4 * dg + 2], qs[r, 4 * dg + 3] = w0, w1, w2, w3
+        o = cuda.local.array((4, NJ), float32)
+        for i in range(4):
+            for j in range(NJ):
+                o[i, j] = 0.0
+        m_run = NEG_INF       # running max / sum, meaningful in row-owner threads (tid < BM)
+        l_run = float32(0.0)
+        last = min(start_pos + min(q0 + BM, T), n_keys)     # keys this block can see: [0, last)
+        for k0 in range(0, last, BN):
+            _tile_load(k, kb, k0, kvh, n_keys, KU, DG, NT)
+            _tile_store_f32(kv, kb, KU, DG, NT)
+            cuda.syncthreads()
+            s = cuda.local.array((4, 2), float32)
+            for i in range(4):
+                for j in range(2):
+                    s[i, j] = 0.0
+            for w in range(DW):
+                ka0, ka1 = kv[tx, 2 * w], kv[tx, 2 * w + 1]
+                kb0, kb1 = kv[tx + 16, 2 * w], kv[tx + 16, 2 * w + 1]
+                for i in range(4):
+                    u = qs[4 * ty + i, w]
+                    qa, qb = mh.bf16_lo(u), mh.bf16_hi(u)
+                    s[i, 0] += qa * ka0 + qb * ka1
+                    s[i, 1] += qa * kb0 + qb * kb1
+            for i in range(4):
+                qpos = start_pos + q0 + 4 * ty + i
+                for j in range(2):
+                    kpos = k0 + tx + 16 * j
+                    ps[4 * ty + i, tx + 16 * j] = s[i, j] * scale if kpos <= qpos and kpos < n_keys else NEG_INF
+            cuda.syncthreads()
+            _tile_load(v, kb, k0, kvh, n_keys, KU, DG, NT)   # V into the K buffer (K reads are done)
+            _tile_store_f32(kv, kb, KU, DG, NT)
+            if tid < BM:      # online softmax of row tid; key 0 is visible to every row, so m is finite
+                m_new = m_run
+                for c in range(BN):
+                    m_new = max(m_new, ps[tid, c])
+                a = math.exp(m_run - m_new)
+                lsum = float32(0.0)
+                for c in range(BN):
+                    p = math.exp(ps[tid, c] - m_new)
+                    ps[tid, c] = p
+                    lsum += p
+                l_run = l_run * a + lsum
+                m_run = m_new
+                alpha[tid] = a
+            cuda.syncthreads()
+            for i in range(4):
+                a = alpha[4 * ty + i]
+                for j in range(NJ):
+                    o[i, j] *= a
+            for c in range(BN):
+                for j in range(NJ):
+                    vv = kv[c, tx + 16 * j]
+                    for i in range(4):
+                        o[i, j] += ps[4 * ty + i, c] * vv
+            cuda.syncthreads()
+        if tid < BM:
+            alpha[tid] = float32(1.0) / l_run
+        cuda.syncthreads()
+        for i in range(4):
+            r = q0 + 4 * ty + i
+            if r < T:
+                inv = alpha[4 * ty + i]
+                for j in range(NJ):
+                    out[r, h, tx + 16 * j] = dev_f32_to_bf16(o[i, j] * inv)
+
+    return fused
+
+
+# ----------------------------------------------------------------------------- fused mma.sync route
+
+@cuda.jit(device=True, inline="always")
+def _vt_store(vt, d, kp, wa, wb):
+    """Transpose one word pair: wa = dims (d, d+1) of key 2kp, wb = the same dims of key 2kp+1."""
+    vt[d, kp] = (wa & uint32(0xFFFF)) | (wb << uint32(16))
+    vt[d + 1, kp] = (wa >> uint32(16)) | (wb & uint32(0xFFFF0000))
+
+
+_M_BM, _M_BN = 16 * mh.WARPS, 64   # each warp owns 16 query rows; 64-key tiles
+
+
+def _make_mma(D):
+    """FlashAttention-2 style: Q fragments and the O accumulator stay in registers for the whole key loop;
+    the S accumulator is turned into the A operand of P @ V in place (its C layout matches A's)."""
+    BM, BN, NT = _M_BM, _M_BN, mh.THREADS
+    DW = D // 2
+    KQK, NS = D // 16, BN // 8      # k-steps of Q K^T, n8-tiles of S
+    KPV, NO = BN // 16, D // 8      # k-steps of P V, n8-tiles of O
+    KPAD, VPAD = DW + 4, BN // 2 + 4   # row strides in words: fragment reads hit 32 distinct banks
+    QF, OF, SF = 4 * KQK, 4 * NO, 4 * NS   # fragment registers per thread: Q, O, S
+    DG = D // 8
+    KU, VU = BN * DG // NT, BN // 2 * DG // NT   # 16-byte loads per thread: K tile, V tile (x2: key pairs)
+    MS0, MS1 = mh.SIM_MMA_SCRATCH      # simulator-only scratch (1 x 1 on the GPU)
+    RS = mh.SIM_RED_SCRATCH
+
+    @mh.kernel(NT)
+    def fused_mma(q32, k, v, out32, start_pos, n_keys, scale_log2, group):
+        # q32: [T, Hq, D/2] u32, out32: [T, Hq, D/2] u32 (bf16 pairs); k/v: [S, Hkv, D] u16, rows 16-byte aligned
+        ks = cuda.shared.array((BN, KPAD), uint32)      # K tile: [key][d pair]
+        vt = cuda.shared.array((D, VPAD), uint32)       # V tile transposed: [d][key pair]
+        mscr = cuda.shared.array((MS0, MS1), float64)
+        rscr = cuda.shared.array(RS, float32)
+        T = q32.shape[0]
+        h = cuda.blockIdx.y
+        kvh = h // group
+        q0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BM
+        tid = cuda.threadIdx.x
+        g, t = (tid % 32) >> 2, tid & 3
+        r0 = q0 + (tid // 32) * 16 + g            # this thread's two query rows: r0 and r0 + 8
+        r1 = r0 + 8
+        qf = cuda.local.array(QF, uint32)
+        for kk in range(KQK):
+            for i in range(4):
+                r = r0 + 8 * (i & 1)
+                qf[4 * kk + i] = q32[r, h, kk * 8 + 4 * (i >> 1) + t] if r < T else uint32(0)
+        o = cuda.local.array(OF, float32)
+        for i in range(OF):
+            o[i] = 0.0
+        s = cuda.local.array(SF, float32)
+        m0, m1 = NEG_INF, NEG_INF
+        l0, l1 = float32(0.0), float32(0.0)      # partial over this thread's columns; quad-summed at the end
+        qpos0, qpos1 = start_pos + r0, start_pos + r1
+        last = min(start_pos + min(q0 + BM, T), n_keys)
+        for k0 in range(0, last, BN):
+            cuda.syncthreads()                    # the previous tile's fragment reads are done
+            for u in range(KU):
+                c, dg = (tid + NT * u) // DG, (tid + NT * u) % DG
+                if k0 + c < n_keys:
+                    w0, w1, w2, w3 = la.ld8(k, (k0 + c, kvh, 8 * dg))
+                else:
+                    w0 = w1 = w2 = w3 = uint32(0)
+                ks[c, 4 * dg], ks[c, 4 * dg + 1], ks[c, 4 * dg + 2], ks[c, 4 * dg + 3] = w0, w1, w2, w3
+            for u in range(VU):
+                # lanes take consecutive key pairs: the transposed stores hit 32 distinct banks
+                kp, dg = (tid + NT * u) % (BN // 2), (tid + NT * u) // (BN // 2)
+                c = k0 + 2 * kp
+                if c < n_keys:
+                    a0, a1, a2, a3 = la.ld8(v, (c, kvh, 8 * dg))
+                else:
+                    a0 = a1 = a2 = a3 = uint32(0)
+                if c + 1 < n_keys:
+                    b0, b1, b2, b3 = la.ld8(v, (c + 1, kvh, 8 * dg))
+                else:
+                    b0 = b1 = b2 = b3 = uint32(0)
+                _vt_store(vt, 8 * dg, kp, a0, b0)     # word x of keys c, c+1 -> dims 8dg+2x, 8dg+2x+1
+                _vt_store(vt, 8 * dg + 2, kp, a1, b1)
+                _vt_store(vt, 8 * dg + 4, kp, a2, b2)
+                _vt_store(vt, 8 * dg + 6, kp, a3, b3)
+            cuda.syncthreads()
+            for nt in range(NS):                  # S = Q K^T
+                c0 = c1 = c2 = c3 = float32(0.0)
+                for kk in range(KQK):
+                    c0, c1, c2, c3 = mh.mma_bf16_16816(
+                        qf[4 * kk], qf[4 * kk + 1], qf[4 * kk + 2], qf[4 * kk + 3],
+                        ks[nt * 8 + g, kk * 8 + t], ks[nt * 8 + g, kk * 8 + 4 + t],
+                        c0, c1, c2, c3, mscr)
+                kpos = k0 + nt * 8 + 2 * t
+                s[4 * nt] = c0 * scale_log2 if kpos <= qpos0 and kpos < n_keys else NEG_INF
+                s[4 * nt + 1] = c1 * scale_log2 if kpos + 1 <= qpos0 and kpos + 1 < n_keys else NEG_INF
+                s[4 * nt + 2] = c2 * scale_log2 if kpos <= qpos1 and kpos < n_keys else NEG_INF
+                s[4 * nt + 3] = c3 * scale_log2 if kpos + 1 <= qpos1 and kpos + 1 < n_keys else NEG_INF
+            mx0, mx1 = m0, m1
+            for nt in range(NS):
+                mx0 = max(mx0, max(s[4 * nt], s[4 * nt + 1]))
+                mx1 = max(mx1, max(s[4 * nt + 2], s[4 * nt + 3]))
+            mx0 = mh.quad_max(mx0, rscr)          # key 0 is visible to every row: finite after tile 0
+            mx1 = mh.quad_max(mx1, rscr)
+            a0, a1 = math.exp2(m0 - mx0), math.exp2(m1 - mx1)
+            m0, m1 = mx0, mx1
+            l0 *= a0
+            l1 *= a1
+            for nt in range(NS):                  # scores are in log2 units: p = 2^(s - m)
+                s[4 * nt] = math.exp2(s[4 * nt] - m0)
+                s[4 * nt + 1] = math.exp2(s[4 * nt + 1] - m0)
+                s[4 * nt + 2] = math.exp2(s[4 * nt + 2] - m1)
+                s[4 * nt + 3] = math.exp2(s[4 * nt + 3] - m1)
+                l0 += s[4 * nt] + s[4 * nt + 1]
+                l1 += s[4 * nt + 2] + s[4 * nt + 3]
+            for nt in range(NO):
+                o[4 * nt] *= a0
+                o[4 * nt + 1] *= a0
+                o[4 * nt + 2] *= a1
+                o[4 * nt + 3] *= a1
+            for kk in range(KPV):                 # O += P V, P from S's registers (C layout == A layout)
+                pa0 = mh.pack_bf16x2(s[8 * kk], s[8 * kk + 1])
+                pa1 = mh.pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3])
+                pa2 = mh.pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5])
+                pa3 = mh.pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7])
+                for nt in range(NO):
+                    o[4 * nt], o[4 * nt + 1], o[4 * nt + 2], o[4 * nt + 3] = mh.mma_bf16_16816(
+                        pa0, pa1, pa2, pa3,
+                        vt[nt * 8 + g, kk * 8 + t], vt[nt * 8 + g, kk * 8 + 4 + t],
+                        o[4 * nt], o[4 * nt + 1], o[4 * nt + 2], o[4 * nt + 3], mscr)
+        inv0 = float32(1.0) / mh.quad_sum(l0, rscr)
+        inv1 = float32(1.0) / mh.quad_sum(l1, rscr)
+        for nt in range(NO):
+            if r0 < T:
+                out32[r0, h, nt * 4 + t] = mh.pack_bf16x2(o[4 * nt] * inv0, o[4 * nt + 1] * inv0)
+            if r1 < T:
+                out32[r1, h, nt * 4 + t] = mh.pack_bf16x2(o[4 * nt + 2] * inv1, o[4 * nt + 3] * inv1)
+
+    return fused_mma
+
+
+# ----------------------------------------------------------------------------- materialized route
+
+_S_TILE, _S_PAD, _R_THREADS = 16, 17, 64
+
+
+@mh.kernel(_S_TILE * _S_TILE)
+def _scores(q, k, scores, start_pos, scale, group):
+    # q: [T, Hq, D] u16, k: [S, Hkv, D] u16, scores: [Hq, T, Sk] f32 (masked entries = -inf)
+    qt = cuda.shared.array((_S_TILE, _S_PAD), float32)
+    kt = cuda.shared.array((_S_TILE, _S_PAD), float32)
+    T, D = q.shape[0], q.shape[2]
+    Sk = scores.shape[2]
+    h = cuda.blockIdx.z
+    kvh = h // group
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    i = cuda.blockIdx.y * _S_TILE + ty           # query row
+    j = cuda.blockIdx.x * _S_TILE + tx           # key
+    jl = cuda.blockIdx.x * _S_TILE + ty          # key this thread loads
+    acc = float32(0.0)
+    for d0 in range(0, D, _S_TILE):
+        d = d0 + tx
+        qt[ty, tx] = dev_bf16_to_f32(q[i, h, d]) if i < T and d < D else float32(0.0)
+        kt[ty, tx] = dev_bf16_to_f32(k[jl, kvh, d]) if jl < Sk and d < D else float32(0.0)
+        cuda.syncthreads()
+        for e in range(_S_TILE):
+            acc += qt[ty, e] * kt[tx, e]
+        cuda.syncthreads()
+    if i < T and j < Sk:
+        scores[h, i, j] = acc * scale if j <= start_pos + i else NEG_INF
+
+
+@mh.kernel(_R_THREADS)
+def _softmax_pv(scores, v, out, start_pos, group):
+    # scores: [Hq, T, Sk] f32 (overwritten with probabilities), v: [S, Hkv, D] u16, out: [T, Hq, D] u16
+    red = cuda.shared.array(_R_THREADS, float32)
+    i, h = cuda.blockIdx.x, cuda.blockIdx.y
+    kvh = h // group
+    tid = cuda.threadIdx.x
+    n = start_pos + i + 1            # visible keys of row i
+    m = NEG_INF
+    for j in range(tid, n, _R_THREADS):
+        m = max(m, scores[h, i, j])
+    m = mh.block_reduce(red, m, True)
+    lsum = float32(0.0)
+    for j in range(tid, n, _R_THREADS):
+        p = math.exp(scores[h, i, j] - m)
+        scores[h, i, j] = p
+        lsum += p
+    inv = float32(1.0) / mh.block_reduce(red, lsum, False)   # its syncthreads also publish the p writes
+    for d in range(tid, out.shape[2], _R_THREADS):
+        acc = float32(0.0)
+        for j in range(n):
+            acc += scores[h, i, j] * dev_bf16_to_f32(v[j, kvh, d])
+        out[i, h, d] = dev_f32_to_bf16(acc * inv)
+
+
+# ----------------------------------------------------------------------------- launch
+
+_KERNELS = {}
+
+
+def _kernel(route, D):
+    key = (route, D)
+    if key not in _KERNELS:
+        _KERNELS[key] = (_make_fused if route == FUSED else _make_mma)(D)
+    return _KERNELS[key]
+
+
+def launch(q, k, v, out, workspace, *, start_pos=0, scale=None, route=None, stream):
+    """out[T, Hq, D] = causal GQA attention of q[T, Hq, D] over k/v[:start_pos + T] (all bf16 uint16
+    device arrays). ``workspace``: 1-D uint8 device view sized by ``workspace_requirement`` (None for the
+    fused routes). Never allocates; a short view raises ``WorkspaceShortfall``."""
+    T, Hq, D = q.shape
+    S, Hkv = k.shape[0], k.shape[1]
+    n_keys = start_pos + T
+    if Hq % Hkv or k.shape[2] != D or v.shape != k.shape or out.shape != q.shape or S < n_keys:
+        raise ValueError(f"prefill shapes q{q.shape} k{k.shape} v{v.shape} out{out.shape} start_pos={start_pos}")
+    route = route or choose_route(T, Hq, Hkv, D, start_pos=start_pos)
+    if route in (FUSED, FUSED_MMA) and D not in FUSED_HEAD_DIMS:
+        raise ValueError(f"route {route!r} takes head_dim in {FUSED_HEAD_DIMS}, got {D}; use {MATERIALIZED!r}")
+    lay = _layout(T, Hq, D, start_pos, route)
+    check_view(f"attention_prefill[{route}]", 0 if workspace is None else workspace.nbytes, lay.total)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    group = Hq // Hkv
+    stream = la.as_stream(stream)
+    if T == 0:
+        return
+    if route == MATERIALIZED:
+        off = lay.offsets["scores"]
+        scores = workspace[off:off + lay.sizes["scores"]].view(np.float32).reshape(Hq, T, n_keys)
+        grid = ((n_keys + _S_TILE - 1) // _S_TILE, (T + _S_TILE - 1) // _S_TILE, Hq)
+        _scores[grid, (_S_TILE, _S_TILE), stream](q, k, scores, start_pos, float32(scale), group)
+        _softmax_pv[(T, Hq), _R_THREADS, stream](scores, v, out, start_pos, group)
+        return
+    if not la.vec8_ok(q, k, v, out):
+        raise ValueError(f"route {route!r} needs contiguous, 16-byte aligned q, k, v and out rows")
+    if route == FUSED:
+        grid = ((T + _F_BM - 1) // _F_BM, Hq)
+        _kernel(FUSED, D)[grid, _F_THREADS, stream](q, k, v, out, start_pos, n_keys, float32(scale), group)
+    else:
+        grid = ((T + _M_BM - 1) // _M_BM, Hq)
+        _kernel(FUSED_MMA, D)[grid, mh.THREADS, stream](
+            q.view(np.uint32), k, v, out.view(np.uint32), start_pos, n_keys, float32(scale * LOG2E), group)
+
+
+# ----------------------------------------------------------------------------- compile check
+
+_U16_3D = "uint16[:, :, ::1]"
+_U32_3D = "uint32[:, :, ::1]"
+_FUSED_SIG = f"void({_U16_3D}, {_U16_3D}, {_U16_3D}, {_U16_3D}, int64, int64, float32, int64)"
+_MMA_SIG = f"void({_U32_3D}, {_U16_3D}, {_U16_3D}, {_U32_3D}, int64, int64, float32, int64)"
+SIGNATURES = (
+    [(_make_fused(d).py_func, _FUSED_SIG) for d in FUSED_HEAD_DIMS]
+    + [(_make_mma(d).py_func, _MMA_SIG) for d in FUSED_HEAD_DIMS]
+    + [(_scores.py_func, f"void({_U16_3D}, {_U16_3D}, float32[:, :, ::1], int64, float32, int64)"),
+       (_softmax_pv.py_func, f"void(float32[:, :, ::1], {_U16_3D}, {_U16_3D}, int64, int64)")]
+)

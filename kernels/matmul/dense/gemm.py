@@ -1,0 +1,145 @@
+"""Tiled GEMM for prefill: Y[M, N] = X[M, K] · W[N, K]ᵀ (+ bias[N]), bf16 in, fp32 accumulate.
+
+W stays in checkpoint layout ([out, in]), so both operands are read along K. A 16×16 thread block
+computes a (16·tm)×(16·tm) tile of Y, each thread a tm×tm micro-tile whose rows and columns are
+strided by 16 (so shared-memory reads are conflict-free and the final stores coalesce). Per K step
+of ``BK`` the block stages both operand tiles in shared memory as fp32, transposed to [k][row] with
+one pad column; the next tile is loaded into registers while the current one is multiplied, so global
+latency overlaps the FMAs. This is a plain SIMT fp32-FMA kernel (Numba exposes no tensor-core MMA):
+correct at any shape, a few tens of TFLOP/s at best — prefill is eager and runs once per prompt.
+Output is bf16 (uint16) or fp32, whatever ``out`` is.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import cuda
+
+from vmmstream.kernels.base.dtypes import bf16_to_f32, dev_bf16_to_f32, dev_f32_to_bf16
+from vmmstream.kernels.base.launch import as_stream, cdiv, check_workspace
+from vmmstream.kernels.base.workspace import NONE
+
+CAPTURE_SAFE = True  # no allocation, no synchronize, device arrays only
+BK = 16
+TM_DEFAULT = 4        # 64×64 tiles; 8 gives 128×128 tiles (more reuse, more registers)
+
+
+@functools.lru_cache(maxsize=None)
+def _make(tm: int, has_bias: bool, out_bf16: bool):
+    bm = 16 * tm                 # tile edge (rows of X and of W per block)
+    pad = bm + 1                 # shared row pitch: the +1 spreads the transposed stores over banks
+    n_shared = BK * pad
+    lpt = bm * BK // 256         # elements of each operand tile one thread stages per K step
+    tt = tm * tm
+
+    def gemm_kernel(x, w, bias, y, m, n, k):
+        # x: [M, K] bf16; w: [N, K] bf16; bias: [N] bf16 (ignored without bias); y: [M, N] bf16|f32
+        # grid: (ceil(N / bm), ceil(M / bm)); block: (16, 16)
+        tx = cuda.threadIdx.x
+        ty = cuda.threadIdx.y
+        tid = ty * 16 + tx
+        m0 = cuda.blockIdx.y * bm
+        n0 = cuda.blockIdx.x * bm
+        xs = cuda.shared.array(n_shared, np.float32)   # [kk][row of X tile]
+        ws = cuda.shared.array(n_shared, np.float32)   # [kk][row of W tile]
+        acc = cuda.local.array(tt, np.float32)
+        ra = cuda.local.array(lpt, np.float32)
+        rb = cuda.local.array(lpt, np.float32)
+        af = cuda.local.array(tm, np.float32)
+        bf = cuda.local.array(tm, np.float32)
+        for i in range(tt):
+            acc[i] = np.float32(0.0)
+        # stage tile 0: element e = tid + l·256 of a tile is (row e // BK, k e % BK): 16 threads
+        # read 32 contiguous bytes of one row
+        for l in range(lpt):
+            e = tid + l * 256
+            r = e // BK
+            kk = e % BK
+            ra[l] = dev_bf16_to_f32(x[m0 + r, kk]) if m0 + r < m and kk < k else np.float32(0.0)
+            rb[l] = dev_bf16_to_f32(w[n0 + r, kk]) if n0 + r < n and kk < k else np.float32(0.0)
+        for k0 in range(0, k, BK):
+            for l in range(lpt):
+                e = tid + l * 256
+                xs[(e % BK) * pad + e // BK] = ra[l]
+                ws[(e % BK) * pad + e // BK] = rb[l]
+            cuda.syncthreads()
+            k1 = k0 + BK
+            if k1 < k:  # prefetch the next K step into registers while this one is multiplied
+                for l in range(lpt):
+                    e = tid + l * 256
+                    r = e // BK
+                    kk = k1 + e % BK
+                    ra[l] = dev_bf16_to_f32(x[m0 + r, kk]) if m0 + r < m and kk < k else np.float32(0.0)
+                    rb[l] = dev_bf16_to_f32(w[n0 + r, kk]) if n0 + r < n and kk < k else np.float32(0.0)
+            for kk in range(BK):
+                for i in range(tm):
+                    af[i] = xs[kk * pad + ty + 16 * i]
+                    bf[i] = ws[kk * pad + tx + 16 * i]
+                for i in range(tm):
+                    for j in range(tm):
+                        acc[i * tm + j] += af[i] * bf[j]
+            cuda.syncthreads()
+        for i in range(tm):
+            row = m0 + ty + 16 * i
+            if row < m:
+                for j in range(tm):
+                    col = n0 + tx + 16 * j
+                    if col < n:
+                        v = acc[i * tm + j]
+                        if has_bias:
+                            v += dev_bf16_to_f32(bias[col])
+                        if out_bf16:
+                            y[row, col] = dev_f32_to_bf16(v)
+                        else:
+                            y[row, col] = v
+
+    return cuda.jit(gemm_kernel)
+
+
+def workspace_requirement(m: int, n: int, k: int):
+    """The tiles live in shared memory: no workspace."""
+    return NONE
+
+
+def gemm(x, w, out, *, bias=None, workspace=None, stream=None, tm: int = TM_DEFAULT):
+    """out[M, N] = x[M, K] · w[N, K]ᵀ (+ bias[N]). bf16 (uint16) inputs; out uint16 (bf16) or float32."""
+    m, k = x.shape
+    n = w.shape[0]
+    check_workspace("gemm", workspace, workspace_requirement(m, n, k).bytes)
+    if w.shape[1] != k or out.shape != (m, n) or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"gemm shapes: x {x.shape}, w {w.shape}, out {out.shape}")
+    if tm not in (1, 2, 4, 8):
+        raise ValueError(f"gemm micro-tile must be 1, 2, 4 or 8, got {tm}")
+    kern = _make(tm, bias is not None, out.dtype == np.uint16)
+    bm = 16 * tm
+    if m and n:
+        kern[(cdiv(n, bm), cdiv(m, bm)), (16, 16), as_stream(stream)](
+            x, w, x if bias is None else bias, out, m, n, k)
+
+
+def reference(x, w, bias=None) -> np.ndarray:
+    """fp32 result of the bf16 inputs, accumulated in fp64."""
+    y = bf16_to_f32(x).astype(np.float64) @ bf16_to_f32(w).astype(np.float64).T
+    if bias is not None:
+        y = y + bf16_to_f32(bias)
+    return y.astype(np.float32)
+
+
+def bytes_moved(m: int, n: int, k: int, *, out_itemsize: int = 2, tm: int = TM_DEFAULT) -> int:
+    """DRAM-level lower bound (each operand once) plus output; tiles re-read from L2 not counted."""
+    return 2 * m * k + 2 * n * k + out_itemsize * m * n
+
+
+def flops(m: int, n: int, k: int) -> int:
+    return 2 * m * n * k
+
+
+def _sig(has_bias: bool, out: str) -> str:
+    bias_t = "uint16[::1]" if has_bias else "uint16[:, ::1]"
+    return f"void(uint16[:, ::1], uint16[:, ::1], {bias_t}, {out}[:, ::1], int64, int64, int64)"
+
+
+SIGNATURES = [(_make(tm, hb, True).py_func, _sig(hb, "uint16")) for tm in (4, 8) for hb in (False, True)] + [
+    (_make(4, False, False).py_func, _sig(False, "float32"))]

@@ -1,0 +1,296 @@
+"""Rotary position embedding, applied in place to q [T, Hq, D] and k [T, Hkv, D] (bf16).
+
+HF "rotate_half" convention: element i pairs with i + D/2, with the angle pos · inv_freq[i]:
+    x[i]       <- x[i] · cos - x[i + D/2] · sin
+    x[i + D/2] <- x[i + D/2] · cos + x[i] · sin
+Positions come from a device int32 array, so a captured decode graph reads the current position from
+device memory at replay. ``inv_freq`` is computed once on the host (default RoPE, linear and Llama-3
+scaling, following transformers' semantics) and passed as a device fp32 array.
+
+One block per token: its threads first compute cos/sin of the D/2 angles into shared memory (once per
+token, not per head), then rotate every head of q and k 8 pairs at a time (two 16-byte loads, two
+16-byte stores per 8 pairs). cos/sin are fp32 and the result is rounded to bf16 once; HF rounds cos/sin
+and each product to bf16, so results differ from HF by about one bf16 ulp.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda
+
+from vmmstream.kernels.base.dtypes import bf16_to_f32, dev_bf16_to_f32, dev_f32_to_bf16, f32_to_bf16
+from vmmstream.kernels.base.launch import (SIM, as_stream, check_threads, check_workspace, hi_f32, ld8, lo_f32,
+    pack2, st8, vec8_ok)
+from vmmstream.kernels.base.workspace import NONE
+
+CAPTURE_SAFE = True  # no allocation, no synchronize, device arrays only
+MAX_HALF = 256       # head_dim up to 512
+
+
+def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None = None) -> np.ndarray:
+    """inv_freq [head_dim // 2] fp32 for rope_type default, linear or llama3 (transformers semantics).
+
+    Computed in fp32 like transformers (arange -> float, base ** (i / dim)), so the values match its
+    buffers to the last bit or so.
+    """
+    dim = int(head_dim)
+    if dim % 2:
+        raise ValueError(f"head_dim must be even, got {dim}")
+    exps = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv = (np.float32(1.0) / np.power(np.float32(theta), exps, dtype=np.float32)).astype(np.float32)
+    scaling = dict(rope_scaling or {})
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return (inv / np.float32(scaling["factor"])).astype(np.float32)
+    if kind == "llama3":
+        factor = np.float32(scaling["factor"])
+        low_ff = float(scaling["low_freq_factor"])
+        high_ff = float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        low_wavelen = old_ctx / low_ff     # wavelengths longer than this: slowed down by ``factor``
+        high_wavelen = old_ctx / high_ff   # shorter than this: unchanged; in between: interpolated
+        wavelen = (np.float32(2 * math.pi) / inv).astype(np.float32)
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv).astype(np.float32)
+        smooth = ((np.float32(old_ctx) / wavelen - np.float32(low_ff)) / np.float32(high_ff - low_ff))
+        smoothed = ((np.float32(1.0) - smooth) * scaled / factor + smooth * scaled).astype(np.float32)
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+    raise NotImplementedError(f"rope_type {kind!r} is not supported (default, linear, llama3 are)")
+
+
+if SIM:
+    def _sincos(a):
+        return np.float32(math.sin(a)), np.float32(math.cos(a))
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True, inline="always")
+    def _sincos(a):
+        # one range reduction for both (libdevice sincosf, full-range accurate like sinf/cosf)
+        return libdevice.sincosf(a)
+
+
+@cuda.jit(device=True, inline="always")
+def _rot_words(a, b, c0, s0, c1, s1):
+    """Rotate two pairs: words a (elements i, i+1) and b (elements i+D/2, i+1+D/2)."""
+    a0 = lo_f32(a)
+    a1 = hi_f32(a)
+    b0 = lo_f32(b)
+    b1 = hi_f32(b)
+    return (pack2(a0 * c0 - b0 * s0, a1 * c1 - b1 * s1),
+            pack2(b0 * c0 + a0 * s0, b1 * c1 + a1 * s1))
+
+
+@cuda.jit(device=True, inline="always")
+def _rot8_words(arr, t, h, j, half, cs, sn):
+    """arr[t, h, j : j+8] rotated with arr[t, h, half+j : half+j+8]: the 8 result words (4 + 4), rounded."""
+    a0, a1, a2, a3 = ld8(arr, (t, h, j))
+    b0, b1, b2, b3 = ld8(arr, (t, h, half + j))
+    a0, b0 = _rot_words(a0, b0, cs[j], sn[j], cs[j + 1], sn[j + 1])
+    a1, b1 = _rot_words(a1, b1, cs[j + 2], sn[j + 2], cs[j + 3], sn[j + 3])
+    a2, b2 = _rot_words(a2, b2, cs[j + 4], sn[j + 4], cs[j + 5], sn[j + 5])
+    a3, b3 = _rot_words(a3, b3, cs[j + 6], sn[j + 6], cs[j + 7], sn[j + 7])
+    return a0, a1, a2, a3, b0, b1, b2, b3
+
+
+@cuda.jit(device=True, inline="always")
+def _rot8(arr, t, h, j, half, cs, sn):
+    # arr[t, h, j : j+8] pairs with arr[t, h, half+j : half+j+8]
+    a0, a1, a2, a3, b0, b1, b2, b3 = _rot8_words(arr, t, h, j, half, cs, sn)
+    st8(arr, (t, h, j), a0, a1, a2, a3)
+    st8(arr, (t, h, half + j), b0, b1, b2, b3)
+
+
+@cuda.jit(device=True, inline="always")
+def _rot1(arr, t, h, i, half, cs, sn):
+    x1 = dev_bf16_to_f32(arr[t, h, i])
+    x2 = dev_bf16_to_f32(arr[t, h, half + i])
+    arr[t, h, i] = dev_f32_to_bf16(x1 * cs[i] - x2 * sn[i])
+    arr[t, h, half + i] = dev_f32_to_bf16(x2 * cs[i] + x1 * sn[i])
+
+
+@functools.lru_cache(maxsize=None)
+def _make(vec: int, threads: int):
+    def rope_kernel(q, k, positions, inv_freq, half):
+        # q: [T, Hq, D] bf16, k: [T, Hkv, D] bf16, both in place; positions: [T] int32;
+        # inv_freq: [D/2] fp32. grid: T; block: threads
+        t = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        cs = cuda.shared.array(MAX_HALF, np.float32)
+        sn = cuda.shared.array(MAX_HALF, np.float32)
+        pos = np.float32(positions[t])
+        for i in range(tid, half, threads):
+            sn[i], cs[i] = _sincos(pos * inv_freq[i])
+        cuda.syncthreads()
+        hq = q.shape[1]
+        per_head = half // vec
+        for it in range(tid, (hq + k.shape[1]) * per_head, threads):
+            h = it // per_head
+            j = (it - h * per_head) * vec
+            if vec == 8:
+                if h < hq:
+                    _rot8(q, t, h, j, half, cs, sn)
+                else:
+                    _rot8(k, t, h - hq, j, half, cs, sn)
+            else:
+                if h < hq:
+                    _rot1(q, t, h, j, half, cs, sn)
+                else:
+                    _rot1(k, t, h - hq, j, half, cs, sn)
+
+    return cuda.jit(rope_kernel)
+
+
+@cuda.jit(device=True, inline="always")
+def _rot8_to(arr, t, h, j, half, cs, sn, dst, p):
+    """``_rot8``, also storing the rotated words at dst[p, h] (the KV cache row of position p)."""
+    a0, a1, a2, a3, b0, b1, b2, b3 = _rot8_words(arr, t, h, j, half, cs, sn)
+    st8(arr, (t, h, j), a0, a1, a2, a3)
+    st8(arr, (t, h, half + j), b0, b1, b2, b3)
+    if p >= 0:
+        st8(dst, (p, h, j), a0, a1, a2, a3)
+        st8(dst, (p, h, half + j), b0, b1, b2, b3)
+
+
+@cuda.jit(device=True, inline="always")
+def _rot1_to(arr, t, h, i, half, cs, sn, dst, p):
+    x1 = dev_bf16_to_f32(arr[t, h, i])
+    x2 = dev_bf16_to_f32(arr[t, h, half + i])
+    y1 = dev_f32_to_bf16(x1 * cs[i] - x2 * sn[i])
+    y2 = dev_f32_to_bf16(x2 * cs[i] + x1 * sn[i])
+    arr[t, h, i] = y1
+    arr[t, h, half + i] = y2
+    if p >= 0:
+        dst[p, h, i] = y1
+        dst[p, h, half + i] = y2
+
+
+@functools.lru_cache(maxsize=None)
+def _make_append(vec: int, threads: int):
+    def rope_append_kernel(q, k, v, ck, cv, positions, inv_freq, half):
+        # q: [T, Hq, D], k, v: [T, Hkv, D] bf16 (q and k rotated in place); ck, cv: [S_max, Hkv, D] the
+        # layer's cache (strided rows); rotated k and v go to row positions[t] when it is in [0, S_max).
+        # grid: T; block: threads
+        t = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        cs = cuda.shared.array(MAX_HALF, np.float32)
+        sn = cuda.shared.array(MAX_HALF, np.float32)
+        p = positions[t]
+        pos = np.float32(p)
+        if p >= ck.shape[0]:
+            p = -1
+        for i in range(tid, half, threads):
+            sn[i], cs[i] = _sincos(pos * inv_freq[i])
+        cuda.syncthreads()
+        hq, hkv = q.shape[1], k.shape[1]
+        per_head = half // vec
+        for it in range(tid, (hq + hkv) * per_head, threads):
+            h = it // per_head
+            j = (it - h * per_head) * vec
+            if vec == 8:
+                if h < hq:
+                    _rot8(q, t, h, j, half, cs, sn)
+                else:
+                    _rot8_to(k, t, h - hq, j, half, cs, sn, ck, p)
+            else:
+                if h < hq:
+                    _rot1(q, t, h, j, half, cs, sn)
+                else:
+                    _rot1_to(k, t, h - hq, j, half, cs, sn, ck, p)
+        if p >= 0:
+            d = 2 * half
+            per_row = d // vec
+            for it in range(tid, hkv * per_row, threads):
+                h = it // per_row
+                j = (it - h * per_row) * vec
+                if vec == 8:
+                    w0, w1, w2, w3 = ld8(v, (t, h, j))
+                    st8(cv, (p, h, j), w0, w1, w2, w3)
+                else:
+                    cv[p, h, j] = v[t, h, j]
+
+    return cuda.jit(rope_append_kernel)
+
+
+def workspace_requirement(tokens: int, q_heads: int, kv_heads: int, head_dim: int):
+    """RoPE needs no scratch (cos/sin live in shared memory)."""
+    return NONE
+
+
+def apply_rope(q, k, positions, inv_freq, *, workspace=None, stream=None, threads: int = 128):
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] (bf16, in place) at positions [T] (int32 device array)."""
+    t, hq, d = q.shape
+    check_workspace("rope", workspace, workspace_requirement(t, hq, k.shape[1], d).bytes)
+    half = d // 2
+    if (d % 2 or k.shape[0] != t or k.shape[2] != d or positions.shape != (t,)
+            or inv_freq.shape != (half,) or half > MAX_HALF):
+        raise ValueError(f"rope shapes: q {q.shape}, k {k.shape}, positions {positions.shape}, "
+                         f"inv_freq {inv_freq.shape} (head_dim even, <= {2 * MAX_HALF})")
+    # 8-pair groups need D/2 % 8 == 0 and 16-byte aligned halves
+    vec = 8 if half % 8 == 0 and vec8_ok(q, k) else 1
+    _make(vec, check_threads(threads))[t, threads, as_stream(stream)](q, k, positions, inv_freq, half)
+
+
+def apply_rope_append_kv(q, k, v, ck, cv, positions, inv_freq, *, workspace=None, stream=None,
+                         threads: int = 128):
+    """``apply_rope`` on q and k, then rotated k and v written to the layer's cache rows ``positions[t]``
+    (ck, cv: [S_max, Hkv, D], rows may be strided; a position outside [0, S_max) writes nothing), in one
+    launch: what a decode step did with a RoPE launch and a KV-append launch."""
+    t, hq, d = q.shape
+    check_workspace("rope_append_kv", workspace, workspace_requirement(t, hq, k.shape[1], d).bytes)
+    half = d // 2
+    hkv = k.shape[1]
+    if (d % 2 or tuple(k.shape) != (t, hkv, d) or tuple(v.shape) != (t, hkv, d) or positions.shape != (t,)
+            or inv_freq.shape != (half,) or half > MAX_HALF or ck.shape[1:] != (hkv, d)
+            or tuple(cv.shape) != tuple(ck.shape)):
+        raise ValueError(f"rope_append_kv shapes: q {q.shape}, k {k.shape}, v {v.shape}, cache {ck.shape} / "
+                         f"{cv.shape}, positions {positions.shape}, inv_freq {inv_freq.shape}")
+    vec = 8 if half % 8 == 0 and vec8_ok(q, k, v, ck, cv) else 1
+    _make_append(vec, check_threads(threads))[t, threads, as_stream(stream)](q, k, v, ck, cv, positions, inv_freq,
+                                                                            half)
+
+
+def reference_append_kv(q, k, v, ck, cv, positions, inv_freq):
+    """NumPy twin of ``apply_rope_append_kv``: returns (q', k', ck', cv') as new arrays."""
+    qr, kr = reference(q, positions, inv_freq), reference(k, positions, inv_freq)
+    ck, cv = np.array(ck), np.array(cv)
+    for t, p in enumerate(np.asarray(positions)):
+        if 0 <= p < ck.shape[0]:
+            ck[p] = kr[t]
+            cv[p] = v[t]
+    return qr, kr, ck, cv
+
+
+def reference(x, positions, inv_freq) -> np.ndarray:
+    """x [T, H, D] bf16 bits -> rotated bf16 bits; fp32 angles and cos/sin (like the kernel), fp64 products."""
+    xf = bf16_to_f32(x).astype(np.float64)
+    half = xf.shape[-1] // 2
+    ang = np.asarray(positions).astype(np.float32)[:, None] * np.asarray(inv_freq, np.float32)[None, :]
+    c = np.cos(ang).astype(np.float32).astype(np.float64)[:, None, :]
+    s = np.sin(ang).astype(np.float32).astype(np.float64)[:, None, :]
+    x1, x2 = xf[..., :half], xf[..., half:]
+    out = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return f32_to_bf16(out.astype(np.float32))
+
+
+def bytes_moved(tokens: int, q_heads: int, kv_heads: int, head_dim: int) -> int:
+    """q and k read and written once, plus positions and inv_freq."""
+    return 4 * tokens * (q_heads + kv_heads) * head_dim + 4 * tokens + 2 * head_dim
+
+
+def flops(tokens: int, q_heads: int, kv_heads: int, head_dim: int) -> int:
+    return 3 * tokens * (q_heads + kv_heads) * head_dim
+
+
+_SIG = "void(uint16[:, :, ::1], uint16[:, :, ::1], int32[::1], float32[::1], int64)"
+_SIG_STRIDED = "void(uint16[:, :, :], uint16[:, :, :], int32[::1], float32[::1], int64)"  # q/k views of qkv
+_SIG_APPEND = ("void(uint16[:, :, ::1], uint16[:, :, ::1], uint16[:, :, ::1], uint16[:, :, :], uint16[:, :, :], "
+               "int32[::1], float32[::1], int64)")
+SIGNATURES = [(_make(8, 128).py_func, _SIG), (_make(8, 128).py_func, _SIG_STRIDED),
+              (_make(1, 128).py_func, _SIG), (_make_append(8, 128).py_func, _SIG_APPEND),
+              (_make_append(1, 128).py_func, _SIG_APPEND)]
