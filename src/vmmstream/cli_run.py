@@ -84,8 +84,9 @@ def _generate(args) -> int:
 
 
 def _demo(args) -> int:
-    from .api import load_model, workspace_peaks
+    from .api import load_model
     from .driver import resolve_backend
+    from .loading import workspace_peaks
     from .model import get_preset, make_checkpoint, open_checkpoint
     from .planning import PREFILL_CHUNK, make_plan
     backend = resolve_backend(args.backend)

@@ -82,8 +82,8 @@ def test_i10_a_missing_slot_copy_changes_the_tokens(tiny):
     mem = memory(floor)
     try:
         with vmmstream.load_model(tiny, memory=mem, max_context=MC) as m:
-            m.streamer.skip = 3
-            m._graphs.clear()                    # recapture without that copy
+            m.engine.streamer.skip = 3
+            m.engine.graphs.clear()             # recapture without that copy
             assert m.generate(PROMPT, 24) != good
     finally:
         mem.close()
@@ -129,13 +129,13 @@ def test_decode_fuses_qkv_and_gate_up_only_when_their_streamed_tensors_fit_the_s
             with vmmstream.load_model(qwen, memory=mem, max_context=MC, slots=slots) as m:
                 calls = {"gemv_multi": 0, "gemv_gate_up_silu": 0}
                 for name in calls:
-                    orig = getattr(m.ops, name)
+                    orig = getattr(m.engine.ops, name)
 
                     def counted(*a, _orig=orig, _name=name, **k):
                         calls[_name] += 1
                         return _orig(*a, **k)
-                    setattr(m.ops, name, counted)
-                m._graphs.clear()                                    # recapture through the counters
+                    setattr(m.engine.ops, name, counted)
+                m.engine.graphs.clear()                              # recapture through the counters
                 tokens.append(m.generate(PROMPT, 12))
                 streamed, K = set(m.plan.streamed), m.plan.slot_count
                 want = {"gemv_multi": 0, "gemv_gate_up_silu": 0}

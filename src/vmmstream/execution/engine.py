@@ -1,0 +1,321 @@
+"""The engine: what runs a placed model on the device, one prompt and its new tokens at a time.
+
+Loading decides where a model's bytes live; the engine decides when work runs on them. It owns everything that
+exists only to enqueue work: the compute stream ``S`` and the copy stream ``C`` (tracked by the memory, so a
+release waits for what they queued), pinned staging for the few host <-> device transfers, the ``Streamer``
+(slot copies on ``C``), the ``Step`` (kernels on ``S``), the captured decode graphs (one per sampling key),
+CUDA-event timing and the counters. It is apart from the public ``Model`` so that batched decode or a server
+can drive it without ``generate``'s argument checks, tokenizer and end-of-sequence cut.
+
+An engine is driven by one owner thread: nothing here is locked, every transfer shares one staging buffer, and
+``run`` returns only once its work is done.
+
+Lifecycle (``vmmstream.api.Model`` follows it):
+
+    engine = Engine(memory, holder, config, plan)    # launch adapter, streams
+    ...place the model with engine.ops and engine.C...
+    engine.start(placement)                          # staging, streamer, step, constants, warm-up, decode graph
+    tokens, logits = engine.run(ids, 16)
+    engine.stop()                                    # drained; graphs, streamer, timing events gone
+    ...free the placement...
+    engine.close()                                   # streams, staging
+
+The streams outlive the placement's frees because the memory fences each free on the streams it tracks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from ..align import align_up
+from ..driver import GATE
+from .graph import DecodeGraph
+from .ops import make_ops
+from .step import Step
+from .weights import Streamer
+
+
+class Engine:
+    """Enqueues prefill and decode for one placed model and owns the streams, graphs and counters that this takes.
+
+    Public surface: ``run``, ``graph``, ``rebalance_experts``, ``synchronize``, ``stop``, ``close``; ``counters``
+    (since construction), ``graphs`` (sampling key -> ``DecodeGraph``), and ``ops``, ``S``, ``C``, ``streamer``,
+    ``step`` for the owner and tests.
+    """
+
+    # Routing drifts: the resident experts are re-chosen by routing counts when that raises the share of
+    # routings that hit the device by at least REBALANCE_GAIN (and enough were seen).
+    REBALANCE_GAIN = 0.05
+    REBALANCE_MIN_ROUTINGS = 64
+
+    def __init__(self, memory, holder: str, config, plan):
+        self.memory, self.driver, self.holder = memory, memory.driver, holder
+        self.config, self.plan = config, plan
+        self.graphs: dict = {}
+        self.counters = dict(prefill_tokens=0, decode_tokens=0, generate_calls=0, eager_steps=0,
+                             page_ins=0, page_in_bytes=0, h2d_ms=0.0, h2d_timed_bytes=0, decode_ms=0.0,
+                             decode_timed_tokens=0, vmm_calls_decode=0, graph_captures=0, graph_replays=0)
+        self.ops = self.S = self.C = None
+        self.weights = self.kv = self.acts = self.ws_session = None
+        self.streamer = self.step = None
+        self.closed = False
+        self._stopped = False
+        self._streams = []
+        self._staging, self._lay = 0, {}
+        self._tev = None
+        self._copies_per_replay = 0
+        try:
+            self.ops = make_ops(self.driver)
+            self.S = self.driver.stream_create("compute")
+            self._streams.append(self.S)
+            self.C = self.driver.stream_create("copy")
+            self._streams.append(self.C)
+            for s in self._streams:
+                memory.track_stream(s)
+        except BaseException:
+            self.close()
+            raise
+
+    def start(self, placement) -> None:
+        """Run on ``placement`` (its ``weights``, ``kv``, ``acts``, ``ws_session``): upload the constants, run one
+        eager decode step and capture the greedy decode graph. On failure the owner closes the engine."""
+        d, plan, c = self.driver, self.plan, self.config
+        self.weights, self.kv, self.acts = placement.weights, placement.kv, placement.acts
+        self.ws_session = placement.ws_session
+        tmax = self.acts.tmax
+        lay, off = {}, 0
+        for name, n in (("ids", 4 * tmax), ("pos", 4 * tmax), ("scalars", 16), ("rng", 32),
+                        ("inv_freq", 2 * c.head_dim), ("tokens", 4 * plan.max_context), ("logits", 4 * c.vocab_size)):
+            lay[name] = off
+            off = align_up(off + n, 256)
+        self._staging = d.host_alloc(off)
+        self._lay = lay
+        self.streamer = Streamer(d, self.S, self.C, self.weights.streamed, plan.slot_count)
+        self.step = Step(self.ops, self.S, self.weights, self.kv, self.acts, self.streamer, c, self.ws_session)
+        # RoPE frequencies computed as transformers does (the kernels import Numba: only once a model loads)
+        from vmmstream.kernels.ops.rope import rope_inv_freq
+        inv = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+        self._h2d(self.acts.addr("inv_freq"), "inv_freq", inv)
+        # warm-up: one eager decode step compiles and loads every decode kernel before the capture
+        self._set_scalars(token=0, position=0, length=1)
+        self._eager(lambda: self.step.decode(None, timed=True))
+        d.stream_synchronize(self.S)
+        self.graph(None)
+        ex = self.weights.experts
+        if ex is not None:          # the warm-up step's routing (token 0 at position 0) is not the user's
+            d.stream_synchronize(self.S)
+            ex.reset_counters()
+
+    # ------------------------------------------------------------------------------------------ run
+    def run(self, ids, max_new_tokens: int, *, sampling=None, seed: int = 0, return_logits: bool = False):
+        """Prefill ``ids`` and produce ``max_new_tokens`` tokens: ``(tokens, logits)``, logits the fp32
+        ``[max_new_tokens, vocab]`` of every new token with ``return_logits``, else None.
+
+        ``sampling``: None (greedy) or ``(temperature, top_k, top_p)``, which is also the key of its decode graph
+        (captured on first use). The caller has checked the request: ``ids`` non-empty and inside the
+        vocabulary, ``max_new_tokens`` >= 1, ``len(ids) + max_new_tokens`` <= ``plan.max_context``.
+        """
+        d, cnt = self.driver, self.counters
+        n, m = len(ids), max_new_tokens
+        self.kv.ensure(n + m)                                # the only VMM calls of a run
+        if sampling is not None:
+            from vmmstream.kernels.ops.sampling import make_rng_state
+            self._h2d(self.acts.addr("rng"), "rng", make_rng_state(seed))
+        logits = []
+        self._prefill(ids, sampling)
+        if return_logits:
+            logits.append(self._read_logits())
+        graph = self.graph(sampling)
+        vmm0 = d.vmm_call_count()
+        t0, t1 = self._timing_events()
+        d.event_record(t0, self.S)
+        for _ in range(m - 1):
+            graph.replay()
+            if return_logits:
+                logits.append(self._read_logits())
+        d.event_record(t1, self.S)
+        d.stream_synchronize(self.S)
+        cnt["vmm_calls_decode"] += d.vmm_call_count() - vmm0
+        cnt["decode_tokens"] += m - 1
+        cnt["graph_replays"] += m - 1
+        cnt["generate_calls"] += 1
+        if m > 1:
+            cnt["decode_ms"] += d.event_elapsed_ms(t0, t1)
+            cnt["decode_timed_tokens"] += m - 1
+        cnt["page_ins"] += (m - 1) * self._copies_per_replay
+        cnt["page_in_bytes"] += (m - 1) * (self.weights.streamed_payload if self._copies_per_replay else 0)
+        tokens = self._read_tokens(n, m)
+        return tokens, (np.stack(logits) if return_logits else None)
+
+    def graph(self, sampling) -> DecodeGraph:
+        """The decode graph for ``sampling`` (None: greedy), captured on first use."""
+        g = self.graphs.get(sampling)
+        if g is None:
+            before = self.streamer.issued
+            g = DecodeGraph(self.driver, self.S, lambda: self.step.decode(sampling), key=sampling)
+            self._copies_per_replay = self.streamer.issued - before
+            self.graphs[sampling] = g
+            self.counters["graph_captures"] += 1
+        return g
+
+    def rebalance_experts(self, *, force: bool = False) -> int:
+        """Re-choose the resident experts from the routing counts so far (prefill and decode); returns the
+        number of experts moved. Outside any graph: the units are copied and the location table rewritten,
+        and the captured decode graph reads the table when it runs, so nothing is recaptured."""
+        ex = self.weights.experts if self.weights is not None else None
+        if ex is None or not ex.on_demand or not ex.n_pool:
+            return 0
+        self.driver.stream_synchronize(self.S)
+        best = ex.best_resident()
+        if set(best) == set(ex.owner):
+            return 0
+        gain = ex.hit_fraction(best) - ex.hit_fraction(ex.owner)
+        if not force and (gain < self.REBALANCE_GAIN or int(ex.counts.sum()) < self.REBALANCE_MIN_ROUTINGS):
+            return 0
+        self.driver.stream_synchronize(self.S)
+        return ex.rebalance(best, self.C)
+
+    def synchronize(self) -> None:
+        """Wait for the work queued on the compute stream (e.g. before reading device-side counters)."""
+        self.driver.stream_synchronize(self.S)
+
+    # ------------------------------------------------------------------------------- enqueue helpers
+    def _host(self, name, dtype, count):
+        return np.frombuffer((ctypes.c_uint8 * (count * np.dtype(dtype).itemsize)).from_address(
+            self._staging + self._lay[name]), dtype=dtype, count=count)
+
+    def _h2d(self, dst: int, name: str, values) -> None:
+        values = np.ascontiguousarray(values)
+        h = self._host(name, values.dtype, values.size)
+        h[...] = values.reshape(-1)
+        self.driver.memcpy_htod_async(dst, h.ctypes.data, values.nbytes, self.S)
+
+    def _set_scalars(self, *, token=None, position: int, length: int) -> None:
+        h = self._host("scalars", np.int32, 4)
+        h[:] = (position, length, 0 if token is None else token, 0)
+        base = h.ctypes.data
+        self.driver.memcpy_htod_async(self.acts.addr("positions"), base, 4, self.S)
+        self.driver.memcpy_htod_async(self.acts.addr("lens"), base + 4, 4, self.S)
+        if token is not None:
+            self.driver.memcpy_htod_async(self.acts.addr("inp"), base + 8, 4, self.S)
+
+    def _eager(self, enqueue) -> None:
+        """Run an eager step and count its copies (enqueued on the copy stream; timed by CUDA events)."""
+        before = self.streamer.issued
+        enqueue()
+        self.driver.stream_synchronize(self.S)
+        n = self.streamer.issued - before
+        self.counters["eager_steps"] += 1
+        self.counters["page_ins"] += n
+        if n:
+            self.counters["page_in_bytes"] += self.weights.streamed_payload
+        if n and self.streamer.timed:
+            self.counters["h2d_ms"] += self.streamer.copy_ms()
+            self.counters["h2d_timed_bytes"] += self.weights.streamed_payload
+
+    def _timing_events(self):
+        if self._tev is None:
+            self._tev = (self.driver.event_create(True), self.driver.event_create(True))
+        return self._tev
+
+    def _prefill(self, ids, sampling) -> None:
+        """Eager prefill in chunks of the activation buffers' size; the last chunk selects the first new token."""
+        plan, n = self.plan, len(ids)
+        tmax = self.acts.tmax
+        ws_step, ws_view = None, None
+        if plan.workspace["step"]:
+            ws_step = self.memory.allocate(plan.workspace["step"], role="workspace_step", holder=self.holder,
+                                           arena="workspace")
+            ws_view = self.ops.view(ws_step.va, (plan.workspace["step"],), np.uint8)
+        try:
+            for start in range(0, n, tmax):
+                t = min(tmax, n - start)
+                self._h2d(self.acts.addr("ids"), "ids", np.asarray(ids[start:start + t], np.int32))
+                self._h2d(self.acts.addr("pos"), "pos", np.arange(start, start + t, dtype=np.int32))
+                last = start + t == n
+
+                def enqueue(t=t, start=start, last=last):
+                    self.streamer.begin(timed=True)
+                    self.step.body(t, decode=False, start_pos=start, ws_step=ws_view)
+                    self.streamer.end()
+                    if last:
+                        self._set_scalars(position=n - 1, length=n)
+                        self.step.select(sampling)
+                        self.step.advance()
+                self._eager(enqueue)
+                self.counters["prefill_tokens"] += t
+        finally:
+            if ws_step is not None:       # step workspace lives for the step only (I8), even on an exception
+                self.memory.free(ws_step)  # fenced: unmapped once the queued prefill work is done
+
+    def _read_logits(self) -> np.ndarray:
+        v = self.config.vocab_size
+        h = self._host("logits", np.float32, v)
+        self.driver.memcpy_dtoh_async(h.ctypes.data, self.acts.addr("logits"), 4 * v, self.S)
+        self.driver.stream_synchronize(self.S)
+        return h.copy()
+
+    def _read_tokens(self, n: int, m: int) -> list:
+        h = self._host("tokens", np.int32, m)
+        self.driver.memcpy_dtoh_async(h.ctypes.data, self.acts.addr("out_tokens") + 4 * n, 4 * m, self.S)
+        self.driver.stream_synchronize(self.S)
+        return [int(x) for x in h]
+
+    # ------------------------------------------------------------------------------------ teardown
+    def stop(self) -> None:
+        """Wait for the queued work, then drop what enqueues more: graphs, streamer, timing events. The streams
+        stay until ``close()``. Idempotent; every step is attempted, the first failure raised at the end."""
+        if self._stopped:
+            return
+        self._stopped = True
+        mem, d = self.memory, self.driver
+        errors = []
+
+        def attempt(fn, *args):
+            try:
+                fn(*args)
+            except Exception as exc:        # keep releasing; report the first failure at the end
+                errors.append(exc)
+
+        if not mem.closed and not GATE.open:    # no synchronize inside a capture (e.g. a finalizer during one)
+            for s in self._streams:
+                attempt(d.stream_synchronize, s)
+        for g in self.graphs.values():
+            attempt(g.close)
+        self.graphs.clear()
+        if self.streamer is not None:
+            attempt(self.streamer.close)
+        if self._tev is not None:
+            for e in self._tev:
+                attempt(d.event_destroy, e)
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        """``stop()`` if not yet, then untrack and destroy the streams and free the staging. Idempotent; every
+        step is attempted, the first failure raised at the end."""
+        if self.closed:
+            return
+        self.closed = True
+        mem, d = self.memory, self.driver
+        errors = []
+
+        def attempt(fn, *args):
+            try:
+                fn(*args)
+            except Exception as exc:
+                errors.append(exc)
+
+        attempt(self.stop)
+        if not mem.closed:
+            for s in self._streams:
+                mem.untrack_stream(s)
+        for s in self._streams:
+            attempt(d.stream_destroy, s)
+        if self._staging:
+            attempt(d.host_free, self._staging)
+            self._staging = 0
+        if errors:
+            raise errors[0]

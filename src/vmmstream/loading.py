@@ -1,0 +1,197 @@
+"""Loading: a checkpoint becomes a plan, the plan becomes leases, the leases become placed bytes.
+
+The order is what makes a load safe to fail anywhere: everything that can be refused without touching the device
+comes first (a bad quantization kind or budget, a bad checkpoint, shapes the CUDA kernels cannot run), then the
+plan, asking the kernels for their workspace at the planned shapes, then admission, which grants every planned
+lease or none (a ``CapacityError`` before any allocation, I9), and only then the allocations. ``Placement``
+holds what the allocations made, so its owner can release exactly what a failed load had taken so far.
+
+``vmmstream.api.Model`` drives these steps together with the ``Engine`` that runs on the placement.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .budget import parse_budget, parse_budget_spec
+from .errors import BudgetError
+from .execution.kv import KVCache
+from .execution.step import Activations
+from .execution.weights import Weights
+from .memory.transaction import Transaction
+
+# Every role a plan leases: a model's teardown gives back each one of them.
+ROLES_PLANNED = ("weights_resident", "weight_slots", "kv_cache", "workspace_step", "workspace_session",
+                 "activations")
+
+
+def prepare(path, budget=None, *, memory=None, backend: str | None = None, quantize: str | None = None):
+    """The checks of a load request, the checkpoint's headers and the device memory to load into:
+    ``(checkpoint, memory, created)``, ``created`` when the process's shared memory for the device was made here
+    (the model then owns it and closes it with itself).
+
+    Raises ``ValueError`` (bad ``quantize``), ``BudgetError``, ``CheckpointError`` / ``UnsupportedModelError``
+    before any device work, and ``BudgetError`` when ``budget`` and a given ``memory`` disagree.
+    """
+    from . import memory as memmod
+    from .model import open_checkpoint
+    from .quantization import check_kind
+    check_kind(quantize)                            # a bad choice is a ValueError before any work
+    if budget is not None:
+        parse_budget_spec(budget)                   # a bad budget is a BudgetError before any device work
+    ck = open_checkpoint(path)                      # headers only: CheckpointError / UnsupportedModelError
+    created = False
+    if memory is None:
+        device = 0
+        existed = any(d == device and not m.closed for (_, d), m in memmod._by_device.items())
+        memory = memmod.device_memory(budget, device=device, backend=backend)
+        created = not existed
+    elif budget is not None:
+        free, total = memory.driver.mem_get_info()
+        want = parse_budget(budget, total, device_free=free)
+        if want != memory.authority.budget:
+            raise BudgetError(f"budget {budget!r} ({want} bytes) differs from the given memory's budget "
+                              f"({memory.authority.budget} bytes)")
+    return ck, memory, created
+
+
+def plan_model(checkpoint, memory, *, max_context=None, slots=None, h2d_gbps=None, prefill_chunk=None,
+               quantize=None):
+    """The plan for ``checkpoint`` within ``memory``'s budget, and the prefill chunk ``tmax`` (the activation
+    buffers' tokens): ``(plan, tmax)``. Raises ``UnsupportedModelError`` (shapes the CUDA kernels cannot run) or
+    ``CapacityError`` (no plan fits)."""
+    from .planning import PREFILL_CHUNK, make_plan
+    c = checkpoint.config
+    if memory.driver.backend == "cuda":
+        _check_cuda_shapes(c)
+    chunk = int(prefill_chunk or PREFILL_CHUNK)
+    mc = max_context if max_context is not None else min(4096, c.max_position_embeddings)
+    tmax = min(chunk, mc)
+    ws = workspace_peaks(c, mc, tmax)
+    a = memory.authority
+    plan = make_plan(c, checkpoint.tensors, a.budget, budget_source=(a.budget_source.kind, a.budget_source.detail),
+                     max_context=max_context, slots=slots, granularity=memory.granularity, workspace=ws,
+                     h2d_gbps=h2d_gbps, legacy=memory.legacy, prefill_chunk=chunk,
+                     sources={"granularity": "explicit", "workspace": "inferred"}, quantize=quantize)
+    return plan, tmax
+
+
+def admit(authority, holder: str, plan) -> None:
+    """Grant ``holder`` every role's planned bytes, or none: a refusal undoes the grants made so far (I9)."""
+    with Transaction() as tx:
+        for role, n in plan.leases().items():
+            if n:
+                lease = authority.lease(holder, role)
+                before = lease.granted
+                authority.grant(lease, n)
+                tx.on_undo(authority.restore_grant, lease, before)
+
+
+def release_leases(authority, holder: str) -> None:
+    """Give back what ``admit`` granted. A lease still committed (a release failed) is shrunk to what it holds
+    rather than dropped, so the authority's books stay true."""
+    for role in ROLES_PLANNED:
+        lease = authority.leases.get((holder, role))
+        if lease is not None and lease.committed == 0:
+            del authority.leases[(holder, role)]
+        elif lease is not None:
+            authority.shrink(lease)
+
+
+class Placement:
+    """Where one model's bytes live on the device: its weights (resident pages, slots aliased at streamed VAs,
+    pinned host copies), KV cache, activations and session workspace.
+
+    Built in two steps so that its owner holds it before anything is allocated: ``Placement(memory, holder)``
+    holds nothing, ``place(...)`` allocates, and after a failure part-way ``close()`` frees what was taken.
+    """
+
+    def __init__(self, memory, holder: str):
+        self.memory, self.holder = memory, holder
+        self.weights = self.kv = self.acts = None
+        self.ws_block = self.ws_session = None
+        self.blocks = []                # the blocks allocated here (the weights and the KV cache free their own)
+        self.closed = False
+
+    def place(self, checkpoint, plan, tmax: int, ops, copy_stream, *, progress=None) -> None:
+        """Allocate and fill: weights (uploaded on ``copy_stream``), KV cache, activations for ``tmax`` tokens,
+        the session workspace. The plan's leases must have been granted (``admit``)."""
+        mem, c = self.memory, checkpoint.config
+        self.weights = Weights(mem, ops, plan, checkpoint, self.holder, copy_stream, progress=progress)
+        self.kv = KVCache(mem, ops, c, plan, self.holder)
+        self.acts = Activations(mem, ops, c, plan, self.holder, tmax)
+        self.blocks.append(self.acts.block)
+        if self.weights.experts is not None:
+            v = self.acts.views(1)
+            self.weights.experts.bind((v.expert_loc, v.expert_counts, v.expert_stats))
+        ws = plan.workspace["session"]
+        self.ws_block = mem.allocate(ws, role="workspace_session", holder=self.holder, arena="workspace") \
+            if ws else None
+        if self.ws_block is not None:
+            self.blocks.append(self.ws_block)
+        self.ws_session = ops.view(self.ws_block.va, (ws,), np.uint8) if ws else None
+
+    def close(self) -> None:
+        """Free what was placed (fenced: after the work queued on the memory's tracked streams). Idempotent;
+        every step is attempted, the first failure raised at the end."""
+        if self.closed:
+            return
+        self.closed = True
+        mem = self.memory
+        errors = []
+
+        def attempt(fn, *args):
+            try:
+                fn(*args)
+            except Exception as exc:        # keep releasing; report the first failure at the end
+                errors.append(exc)
+
+        if self.weights is not None:
+            attempt(self.weights.close)
+        if self.kv is not None:
+            attempt(self.kv.close)
+        if not mem.closed:
+            for b in self.blocks:
+                attempt(mem.free, b)
+            attempt(mem.synchronize)
+        if errors:
+            raise errors[0]
+
+
+def workspace_peaks(config, max_context: int, tmax: int) -> dict:
+    """Workspace peaks per lifetime class, from each kernel's ``workspace_requirement`` at the planned shapes.
+
+    The kernels of one stream run in order, so one buffer of the largest need serves each class (max, not sum).
+    """
+    from vmmstream.kernels.attention import decode as attention_decode, prefill as attention_prefill
+    from vmmstream.kernels.ops import sampling
+    c = config
+    session = max(attention_decode.workspace_requirement(1, c.num_attention_heads, c.num_key_value_heads,
+                                                         c.head_dim, max_context).bytes,
+                  sampling.workspace_requirement(1, c.vocab_size, "greedy").bytes,
+                  sampling.workspace_requirement(1, c.vocab_size, "sample").bytes)
+    step = attention_prefill.workspace_requirement(tmax, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                                   start_pos=max_context - tmax).bytes
+    if getattr(c, "is_moe", False):
+        # expert routing + h: decode (inside the graph: session lifetime) over the k slots or a layer's experts,
+        # prefill rounds over the k slots
+        from vmmstream.kernels import moe
+        k, n = c.num_experts_per_tok, max(c.num_experts_per_tok, c.num_experts)
+        session = max(session, moe.workspace_requirement(1, k, n, c.moe_intermediate_size).bytes)
+        step = max(step, moe.workspace_requirement(tmax, k, n, c.moe_intermediate_size).bytes)
+    return {"step": int(step), "session": int(session)}
+
+
+def _check_cuda_shapes(c) -> None:
+    from vmmstream.kernels.attention import decode as attention_decode
+    from .model import UnsupportedModelError
+    if c.is_moe and (c.num_experts > 128 or c.num_experts_per_tok > 8 or c.hidden_size % 8
+                     or c.moe_intermediate_size % 8):
+        raise UnsupportedModelError(
+            f"{c.architecture}: the CUDA MoE kernels take at most 128 experts, top-k <= 8, and hidden and expert "
+            "sizes that are multiples of 8")
+    g = c.num_attention_heads // c.num_key_value_heads
+    if c.head_dim not in attention_decode.HEAD_DIMS or g > attention_decode.MAX_GROUP:
+        raise UnsupportedModelError(
+            f"head_dim {c.head_dim} with {g} query heads per KV head: the CUDA decode attention takes head_dim in "
+            f"{attention_decode.HEAD_DIMS} and at most {attention_decode.MAX_GROUP} query heads per KV head")
