@@ -21,7 +21,7 @@ import itertools
 from pathlib import Path
 
 from .budget import format_bytes
-from .errors import ContextLengthError, VmmstreamError
+from .errors import Attempts, ContextLengthError, VmmstreamError
 from .execution.engine import Engine
 from .loading import Placement, admit, plan_model, prepare, release_leases
 from .loading import workspace_peaks  # noqa: F401  (re-exported: imported from here by tests and scripts)
@@ -237,13 +237,7 @@ class Model:
             return
         self.closed = True
         mem = self.memory
-        errors = []
-
-        def attempt(fn, *args):
-            try:
-                fn(*args)
-            except Exception as exc:        # keep releasing; report the first failure at the end
-                errors.append(exc)
+        attempt = Attempts()
 
         # The engine stops first and closes last: the memory fences the placement's frees on its streams.
         if self.engine is not None:
@@ -254,8 +248,7 @@ class Model:
         release_leases(mem.authority, self.holder)
         if self._owns_memory and not mem.closed and not mem.blocks:
             attempt(mem.close)
-        if errors:
-            raise errors[0]
+        attempt.raise_first()
 
     def __enter__(self):
         return self

@@ -69,3 +69,22 @@ class ContextLengthError(VmmstreamError, ValueError):
         super().__init__(message)
         self.requested = requested
         self.max_context = max_context
+
+
+class Attempts:
+    """A teardown that goes on past a failure: ``attempts(fn, *args)`` runs each release step and keeps the
+    exception, ``attempts.raise_first()`` raises the first one at the end. Every resource gets its chance to be
+    released even when an earlier one fails."""
+
+    def __init__(self):
+        self.errors: list[Exception] = []
+
+    def __call__(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:
+            self.errors.append(exc)
+
+    def raise_first(self) -> None:
+        if self.errors:
+            raise self.errors[0]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .budget import parse_budget, parse_budget_spec
-from .errors import BudgetError
+from .errors import Attempts, BudgetError
 from .execution.kv import KVCache
 from .execution.step import Activations
 from .execution.weights import Weights
@@ -138,13 +138,7 @@ class Placement:
             return
         self.closed = True
         mem = self.memory
-        errors = []
-
-        def attempt(fn, *args):
-            try:
-                fn(*args)
-            except Exception as exc:        # keep releasing; report the first failure at the end
-                errors.append(exc)
+        attempt = Attempts()
 
         if self.weights is not None:
             attempt(self.weights.close)
@@ -154,8 +148,7 @@ class Placement:
             for b in self.blocks:
                 attempt(mem.free, b)
             attempt(mem.synchronize)
-        if errors:
-            raise errors[0]
+        attempt.raise_first()
 
 
 def workspace_peaks(config, max_context: int, tmax: int) -> dict:

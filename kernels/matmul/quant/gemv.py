@@ -1,30 +1,17 @@
 """Quantized decode GEMVs: y[B, N] = x[B, K] · W[N, K]ᵀ (+ bias) with W stored int4 or MXFP4
 (``kernels/matmul/quant/formats.py`` layouts), dequantized in registers, fp32 accumulation, bf16 (uint16) out.
 
-Decode is memory-bound and W is 4 bits a value, so the work per byte is 4x the bf16 GEMV's:
-- a block is ``threads / 32`` warps; warp w owns ``rows_per_warp`` consecutive rows, and its lanes
-  stride over their 16-byte chunks (32 values, one ``ld.global.nc.v4`` each): a warp load is 512
-  contiguous bytes, every lane has ``rows_per_warp`` independent loads in flight, the reduction is a
-  warp shuffle only;
-- x is staged once per block into shared memory as fp32, ``tile_k`` values of K at a time (default
-  8192 / batch_tile: 32 KiB, so K = 4096 is one tile and K = 14336 two; fewer tiles, fewer barriers
-  that drain the loads in flight), transposed (``xs[b, i, c]`` = element i of chunk c) so that lanes
-  reading consecutive chunks hit distinct banks; every warp of the block reuses it;
-- scales are read once per 16-byte chunk and row (int4: 4 chunks share a group; MXFP4: a chunk is a block);
-- int4 decode: a nibble q shifted into the top mantissa bits of 1.0f gives f = 1 + q/16 (a shift and one
-  and-or: no conversion instruction), and the FMA accumulates f·x. The zero point comes out once per chunk
-  and row, not per value: Σ (q - zero)/16 · x = Σ f·x - (1 + zero/16) · Σ x, where Σ x over the chunk is
-  summed as x is read (shared by the warp's rows); the result is multiplied by 16·scale once;
-- MXFP4 decode: the 16 E2M1 values sit in a shared-memory table (distinct codes hit distinct banks);
-  the chunk's partial sum is multiplied by the block scale 2^(e-127) (its bf16 bits are e << 7).
-K must be a multiple of the group (128 for int4, 32 for MXFP4); x must allow 16-byte loads (``vec8_ok``):
-there is no scalar fallback.
-
-That is the ``simt`` route (``gemv_simt.py``). Where K is a multiple of 128 and the weights are C-contiguous the default
-(``route="auto"``) is a tensor-core route, faster at the decode shapes (docs/BENCHMARKS.md): MXFP4 at batch 1
-``kernels/matmul/quant/gemv_imma.py`` (int8 tensor cores; x rounded per block of 32 to 14 bits below the block's largest
-|x|, every product and sum after that exact), otherwise ``kernels/matmul/quant/gemv_mma.py`` (bf16), which takes int4
-zero points as integers in [0, 15], which is what ``quantize_int4`` stores.
+The public functions (``qgemv_int4``, ``qgemv_mxfp4``), their shape checks, references and byte counts, and
+the dispatcher that picks one route per launch (``QgemvConfig.route``):
+- ``auto`` (the default): where K is a multiple of 128 and the weights are C-contiguous, a tensor-core route,
+  faster at the decode shapes (docs/bench/HISTORY.md): MXFP4 at batch 1 ``gemv_imma.py`` (int8 tensor cores; x
+  rounded per block of 32 to 14 bits below the block's largest |x|, every product and sum after that exact),
+  otherwise ``gemv_mma.py`` (bf16), which takes int4 zero points as integers in [0, 15], which is what
+  ``quantize_int4`` stores; elsewhere ``simt``;
+- ``simt``: ``gemv_simt.py``, any K that is a multiple of the group, dequantized on the CUDA cores;
+- ``mma``, ``imma``: the tensor-core routes above, asked for by name; ``mx16``: ``gemv_mx16.py``, MXFP4 on f16
+  tensor cores, opt-in.
+x must allow 16-byte loads (``vec8_ok``): there is no scalar fallback.
 """
 
 from __future__ import annotations
@@ -55,18 +42,18 @@ class QgemvConfig:
                              # K a multiple of 128); "simt": this module's kernel; "auto": imma for MXFP4 at
                              # batch 1, else mma, where K allows it, else simt;
                              # "mx16": kernels/matmul/quant/gemv_mx16.py (MXFP4 at batch 1 on f16 tensor cores; measured
-                             # slower than mma on the H200, docs/BENCHMARKS.md, so never chosen by "auto")
+                             # slower than mma on the H200, docs/bench/HISTORY.md, so never chosen by "auto")
     mma_prefetch: bool = True  # mma route: load the next group while multiplying the current one
     mma_l2_ahead: int = 0    # mma route: prefetch.global.L2 the group this many iterations ahead (0: none)
     mma_stages: int = 0      # mma route: > 1: W through a per-warp cp.async ring of this many groups (3, 4 or 5)
     mma_row_tiles: int = 0   # mma route, batch 1: 16-row tiles per block sharing one staging of x (1 to 7;
                              # 0: picked for the device's SM count, ``qgemv_mma.auto_row_tiles``: 7 at N 14336
                              # on 132 SMs; there, on an H100, int4 10-13 % faster than 1 and MXFP4, with
-                             # ``mma_split`` and ``mma_x_first``, within 1 %, docs/BENCHMARKS.md)
+                             # ``mma_split`` and ``mma_x_first``, within 1 %, docs/bench/HISTORY.md)
     mma_early_y: bool = False  # mma route, batch 1: load each pair's second group one step earlier (the first
                              # before x is staged): two groups in flight from the start
     mma_split: bool | None = None  # mma route, MXFP4 at batch 1: each group's 8 mma steps as two dependency
-                             # chains of 4 (None: there; on an H100 at 7 row tiles 3.7 % faster, docs/BENCHMARKS.md)
+                             # chains of 4 (None: there; on an H100 at 7 row tiles 3.7 % faster, docs/bench/HISTORY.md)
     mma_x_first: bool | None = None  # mma route, MXFP4 at batch 1: the first x tile loaded before W (None: in
                              # blocks of 4 or more row tiles without pdl; True with pdl is refused)
     pdl: bool = False        # mma and imma routes: programmatic dependent launch (loads W while the previous

@@ -4,7 +4,7 @@
 The scalar route (``kernels/matmul/quant/gemv.py``) spends several integer and float instructions per 4-bit value;
 here two values become one packed bf16 pair in a few bit operations and one packed fma, and the tensor
 core does the multiply-adds. At the decode shapes the loads alone run near the copy rate (the sweep's probe,
-docs/BENCHMARKS.md); what costs is the decode and mma work that the loads do not hide, so the layout keeps
+docs/bench/HISTORY.md); what costs is the decode and mma work that the loads do not hide, so the layout keeps
 the instructions per value low:
 
 - a block is 4 warps over 16 rows of W and up to 8 columns of x (the batch); warp w takes the int4 groups
@@ -39,7 +39,7 @@ the instructions per value low:
   h = 0 and h = 1 into two D, added at the end), and in blocks of 4 or more row tiles each thread loads its
   chunk of the first x tile in the same burst as W's first loads, so that the staging does not wait behind
   them (``split``, ``x_first``; on an H100, in three runs, from 5 % faster to 0.6 % slower together, and the
-  compute side alone unchanged: docs/BENCHMARKS.md).
+  compute side alone unchanged: docs/bench/HISTORY.md).
 
 Contract beyond the scalar route's: K a multiple of 128; int4 zero points integers in [0, 15]
 (``quantize_int4`` makes them so; a fractional zero would be rounded to bf16). Capture-safe; no workspace.

@@ -26,7 +26,7 @@ bf16 route. Contract: batch 1, K a multiple of 128, C-contiguous packed weights 
 e <= 253 (the quantizer never stores more: e = 253 already needs weights beyond fp32). Capture-safe; no
 workspace.
 
-Measured on the H200 at 1×4096 · [14336, 4096] (docs/BENCHMARKS.md, run g of 2026-12-03): 16.0-16.3 µs
+Measured on the H200 at 1×4096 · [14336, 4096] (docs/bench/HISTORY.md, runs h-j of 2026-12-03): 16.0-16.3 µs
 against 14.3-14.6 µs for the bf16 route, so ``route="auto"`` does not take it. Its compute side alone is
 faster (12.2 µs against 13.7; 176 instructions per lane and group against about 250), but two things cost:
 the hardware conversion ``F2FP.F16.E4M3.UNPACK_B`` (32 per group) runs on the slow conversion pipe, and

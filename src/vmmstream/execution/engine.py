@@ -31,6 +31,7 @@ import numpy as np
 
 from ..align import align_up
 from ..driver import GATE
+from ..errors import Attempts
 from .graph import DecodeGraph
 from .ops import make_ops
 from .step import Step
@@ -271,13 +272,7 @@ class Engine:
             return
         self._stopped = True
         mem, d = self.memory, self.driver
-        errors = []
-
-        def attempt(fn, *args):
-            try:
-                fn(*args)
-            except Exception as exc:        # keep releasing; report the first failure at the end
-                errors.append(exc)
+        attempt = Attempts()
 
         if not mem.closed and not GATE.open:    # no synchronize inside a capture (e.g. a finalizer during one)
             for s in self._streams:
@@ -290,8 +285,7 @@ class Engine:
         if self._tev is not None:
             for e in self._tev:
                 attempt(d.event_destroy, e)
-        if errors:
-            raise errors[0]
+        attempt.raise_first()
 
     def close(self) -> None:
         """``stop()`` if not yet, then untrack and destroy the streams and free the staging. Idempotent; every
@@ -300,13 +294,7 @@ class Engine:
             return
         self.closed = True
         mem, d = self.memory, self.driver
-        errors = []
-
-        def attempt(fn, *args):
-            try:
-                fn(*args)
-            except Exception as exc:
-                errors.append(exc)
+        attempt = Attempts()
 
         attempt(self.stop)
         if not mem.closed:
@@ -317,5 +305,4 @@ class Engine:
         if self._staging:
             attempt(d.host_free, self._staging)
             self._staging = 0
-        if errors:
-            raise errors[0]
+        attempt.raise_first()
