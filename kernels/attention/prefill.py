@@ -7,7 +7,7 @@
 Hq is a multiple of Hkv; query head h reads KV head h // (Hq // Hkv).
 
 Routes (``choose_route`` picks one, ``route=`` overrides):
-- ``"fused_mma"``: flash-style, tensor cores via ``mma.sync`` (see ``mma_helpers``), online softmax in
+- ``"fused_mma"``: flash-style, tensor cores via ``mma.sync`` (see ``kernels/base/mma.py``), online softmax in
   registers, D in {64, 128}. No workspace (``NONE``).
 - ``"fused"``: the same algorithm on fp32 FMA, K/V tiles through shared memory. D in {64, 128}. No
   workspace. The fallback, and the route the simulator checks the algorithm with.

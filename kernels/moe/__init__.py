@@ -19,11 +19,11 @@ Layouts (bf16 is uint16 bits throughout)
 
 Where each part is (each module's docstring says what its kernels do; this one re-exports them all and holds
 the bytes / flops formulas and the compile signatures)
-    ``moe_route.py``: ``router_topk``, ``group_by_expert`` and the workspace layout (``workspace_requirement``,
+    ``route.py``: ``router_topk``, ``group_by_expert`` and the workspace layout (``workspace_requirement``,
         ``routing_views``, ``h_view``);
-    ``moe_ffn.py``: ``expert_ffn``, ``expert_ffn_int4``, ``expert_ffn_mxfp4``, ``quantize_experts``;
-    ``moe_combine.py``: ``combine``;
-    ``moe_reference.py``: the NumPy references (``reference_router``, ``reference_group``,
+    ``experts.py``: ``expert_ffn``, ``expert_ffn_int4``, ``expert_ffn_mxfp4``, ``quantize_experts``;
+    ``combine.py``: ``combine``;
+    ``reference.py``: the NumPy references (``reference_router``, ``reference_group``,
         ``reference_experts[_int4|_mxfp4]``, ``reference_combine``, ``reference_moe``).
 
 Workspace (``workspace_requirement``, ``step`` lifetime): one view holds the routing (counts, offsets, perm,

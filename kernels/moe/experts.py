@@ -1,4 +1,4 @@
-"""MoE experts: the experts' SwiGLU FFN over the rows ``group_by_expert`` grouped (``moe_route.py``), with bf16,
+"""MoE experts: the experts' SwiGLU FFN over the rows ``group_by_expert`` grouped (``route.py``), with bf16,
 int4 or MXFP4 expert weights, and ``quantize_experts``, the host helper that stacks ``quant.py``'s layouts per
 expert; the overview, layouts and workspace contract are in ``moe.py``.
 

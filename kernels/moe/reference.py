@@ -1,4 +1,4 @@
-"""NumPy references of the MoE launches (``moe_route.py``, ``moe_ffn.py``, ``moe_combine.py``) and of the whole
+"""NumPy references of the MoE launches (``route.py``, ``experts.py``, ``combine.py``) and of the whole
 sparse MoE block: fp64 sums, rounded to bf16 where the kernels store bf16."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def _as_f32(a) -> np.ndarray:
 
 def reference_router(logits, top_k: int, *, scoring: str = "mixtral", norm_topk_prob=None):
     """(ids int32 [T, k], weights fp32 [T, k]): stable sort (ties -> lower index; NaN as -inf), fp64 softmax
-    by the architecture's definition (see ``moe_route.py``)."""
+    by the architecture's definition (see ``route.py``)."""
     mode, renorm = _scoring(scoring, norm_topk_prob)
     x = _as_f32(logits).astype(np.float64)
     x = np.where(np.isnan(x), -np.inf, x)

@@ -1,5 +1,5 @@
 """MoE routing: the router's top-k over the router logits, and the grouping of the routed (token, slot) pairs
-by expert into the workspace the expert launches (``moe_ffn.py``) read; the overview, layouts and workspace
+by expert into the workspace the expert launches (``experts.py``) read; the overview, layouts and workspace
 contract are in ``moe.py``.
 
     router_topk: one warp per token; lane l holds experts l, l+32, l+64, l+96 (E <= 128) and k rounds of a

@@ -7,7 +7,7 @@ included) and a partial last split, GQA head mapping, short workspace views.
 
 What the simulator cannot check, left to tests/gpu/test_attention_gpu.py:
 - the real ``mma.sync`` and ``cvt.rn.bf16x2`` inline PTX and the ``shfl.xor`` quad reductions of the
-  ``fused_mma`` route: here they are twins in ``mma_helpers`` that implement the documented fragment
+  ``fused_mma`` route: here they are twins in ``kernels/base/mma.py`` that implement the documented fragment
   layouts in NumPy (so the kernel's fragment indexing IS checked, the hardware's layout is not);
 - the 16-byte vector loads of decode (``launch.ld8_ro``), likewise twins;
 - real shapes, real speed, launch bounds and register pressure.

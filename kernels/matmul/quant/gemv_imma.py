@@ -291,7 +291,7 @@ def x_as_applied(x_bits: np.ndarray) -> np.ndarray:
 
 def launch(packed, scales, x, out, bias, stream, row_tiles=0, pdl=False):
     """``packed`` [N, K/2] u8, ``scales`` [N, K/32] u8 (``quantize_mxfp4``), x [1, K] and out [1, N] bf16
-    (uint16), ``bias`` [N] bf16 or None; device arrays. ``row_tiles`` 0: as ``qgemv_mma``'s
+    (uint16), ``bias`` [N] bf16 or None; device arrays. ``row_tiles`` 0: as ``gemv_mma``'s
     ``auto_row_tiles``. ``pdl``: programmatic dependent launch (the kernel before it must not write W)."""
     from vmmstream.kernels.matmul.quant.gemv_mma import auto_row_tiles
     n, k = packed.shape[0], 2 * packed.shape[1]

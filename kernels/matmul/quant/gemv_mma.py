@@ -44,7 +44,7 @@ the instructions per value low:
 Contract beyond the scalar route's: K a multiple of 128; int4 zero points integers in [0, 15]
 (``quantize_int4`` makes them so; a fractional zero would be rounded to bf16). Capture-safe; no workspace.
 With ``pdl`` (opt-in) it reads W before waiting for the kernel launched before it, x after.
-The device steps (decode, a group's mma steps, x staging, group constants) are in ``qgemv_mma_steps.py``.
+The device steps (decode, a group's mma steps, x staging, group constants) are in ``gemv_mma_steps.py``.
 """
 
 from __future__ import annotations
