@@ -21,6 +21,7 @@ import itertools
 from pathlib import Path
 
 from .budget import format_bytes
+from . import validate
 from .errors import Attempts, ContextLengthError, VmmstreamError
 from .execution.engine import Engine
 from .loading import Placement, admit, plan_model, prepare, release_leases
@@ -45,45 +46,45 @@ def load_model(path, budget=None, *, max_context: int | None = None, slots: int 
     Raises ``CheckpointError`` / ``UnsupportedModelError`` (bad checkpoint), ``BudgetError`` (bad budget),
     ``CapacityError`` (no plan fits, or the memory is taken), ``DriverError``; nothing stays allocated.
     """
-    ck, memory, created = prepare(path, budget, memory=memory, backend=backend, quantize=quantize)
-    try:
-        return Model(ck, memory, max_context=max_context, slots=slots, progress=progress, h2d_gbps=h2d_gbps,
-                     prefill_chunk=prefill_chunk, owns_memory=created, quantize=quantize)
-    except BaseException:
-        if created and not memory.closed and not memory.blocks:
-            memory.close()
-        raise
+    ck, memory = prepare(path, budget, memory=memory, backend=backend, quantize=quantize)
+    return Model(ck, memory, max_context=max_context, slots=slots, progress=progress, h2d_gbps=h2d_gbps,
+                 prefill_chunk=prefill_chunk, quantize=quantize)
 
 
 class Model:
     """A loaded model: its plan, the placement of its bytes, and the engine that runs on them; ``close()`` (or
-    leaving the ``with`` block) releases them. Not thread-safe."""
+    leaving the ``with`` block) releases them. Safe to share between threads: the calls of every model on one
+    device memory run one at a time (I12), never interleaved."""
 
     # After a generate call, re-choose the resident experts when routing has drifted (``Engine`` has the policy).
     rebalance_experts_auto = True
 
     def __init__(self, checkpoint, memory, *, max_context=None, slots=None, progress=None, h2d_gbps=None,
-                 prefill_chunk=None, owns_memory=False, quantize=None):
+                 prefill_chunk=None, quantize=None):
+        """``memory`` counts this model among its users already (``loading.prepare`` did); ``close()`` gives that
+        back, also when this constructor fails."""
         self.path = Path(checkpoint.path)
         self.config = checkpoint.config
         self.memory = memory
         self.driver = memory.driver
         self.backend = self.driver.backend
         self.holder = f"model{next(_ids)}:{self.path.name}"
-        self._owns_memory = owns_memory
+        self._lock = memory.lock
         self.closed = False
         self.engine = None
         self.placement = Placement(memory, self.holder)         # holds nothing until placed
-        try:
-            self.plan, tmax = plan_model(checkpoint, memory, max_context=max_context, slots=slots,
-                                         h2d_gbps=h2d_gbps, prefill_chunk=prefill_chunk, quantize=quantize)
-            admit(memory.authority, self.holder, self.plan)
-            self.engine = Engine(memory, self.holder, self.config, self.plan)
-            self.placement.place(checkpoint, self.plan, tmax, self.engine.ops, self.engine.C, progress=progress)
-            self.engine.start(self.placement)
-        except BaseException:
-            self.close()
-            raise
+        with self._lock:
+            try:
+                self.plan, tmax = plan_model(checkpoint, memory, max_context=max_context, slots=slots,
+                                             h2d_gbps=h2d_gbps, prefill_chunk=prefill_chunk, quantize=quantize)
+                admit(memory.authority, self.holder, self.plan)
+                self.engine = Engine(memory, self.holder, self.config, self.plan)
+                self.placement.place(checkpoint, self.plan, tmax, self.engine.ops, self.engine.C,
+                                     progress=progress)
+                self.engine.start(self.placement)
+            except BaseException:
+                self.close()
+                raise
 
     @property
     def weights(self):
@@ -99,53 +100,58 @@ class Model:
 
     # ---------------------------------------------------------------------------------- generation
     def generate(self, prompt, max_new_tokens: int = 32, *, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, eos_token_id: int | None = None, return_logits: bool = False):
+                 top_p: float = 1.0, seed: int = 0, eos_token_id=None, return_logits: bool = False):
         """Continue ``prompt`` (token ids, or text when the checkpoint has ``tokenizer.json``).
 
-        Greedy when ``temperature`` <= 0, else a draw from softmax(logits / temperature) restricted by top-k
-        then top-p (seeded: the same seed gives the same tokens). Returns the new token ids (or the new
-        text for a text prompt), stopping after ``eos_token_id`` when given; with ``return_logits`` also the
-        fp32 logits of every new token ``[n_new, vocab]``.
+        Greedy when ``temperature`` is 0, else a draw from softmax(logits / temperature) restricted by top-k (0:
+        no limit) then top-p (in (0, 1]), seeded: the same ``seed`` (an integer in [0, 2**64)) gives the same
+        tokens. Returns the new token ids (or the new text for a text prompt). ``eos_token_id`` (one id or a list
+        of them): decoding stops after the first of them, which is the last token returned. With
+        ``return_logits`` also the fp32 logits of every new token ``[n_new, vocab]``.
+
+        Safe to call from several threads: calls on models that share the device's memory run one at a time.
         """
-        self._check_open()
+        v = self.config.vocab_size
+        max_new_tokens = validate.integer("max_new_tokens", max_new_tokens, lo=1)
+        temperature = validate.real("temperature", temperature, lo=0.0, what="a finite number >= 0 (0: greedy)")
+        top_k = validate.integer("top_k", top_k, lo=0, what="an integer >= 0 (0: no limit)")
+        top_p = validate.real("top_p", top_p, lo=0.0, hi=1.0, lo_open=True)
+        seed = validate.integer("seed", seed, lo=0, hi=2**64 - 1)
+        stop = validate.token_id_set("eos_token_id", eos_token_id, v)
+        return_logits = validate.boolean("return_logits", return_logits)
         text = isinstance(prompt, str)
-        if text:
-            tok = self.tokenizer
-            if tok is None:
-                raise VmmstreamError(f"{self.path} has no tokenizer.json; pass token ids instead of text")
-            ids = tok.encode(prompt).ids
-        else:
-            ids = [int(i) for i in prompt]
-        n, m, v = len(ids), int(max_new_tokens), self.config.vocab_size
-        if n == 0:
-            raise ValueError("the prompt is empty: give at least one token")
-        if m < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-        bad = [i for i in ids if not 0 <= i < v]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {v})")
-        mc = self.plan.max_context
-        if n + m > mc:
-            raise ContextLengthError(
-                f"prompt of {n} tokens + max_new_tokens {m} = {n + m} positions exceeds max_context {mc}, the "
-                "KV cache this model was loaded with; load it with a larger max_context or ask for fewer tokens",
-                requested=n + m, max_context=mc)
-        sampling = None if temperature <= 0 else (float(temperature), int(top_k), float(top_p))
-        out, logits = self.engine.run(ids, m, sampling=sampling, seed=seed, return_logits=return_logits)
-        if eos_token_id is not None and eos_token_id in out:
-            out = out[:out.index(eos_token_id) + 1]
-            if return_logits:
-                logits = logits[:len(out)].copy()        # its own array: the cut rows are not kept alive
-        result = self.tokenizer.decode(out) if text else out
-        if self.rebalance_experts_auto:
-            self.rebalance_experts()
+        with self._lock:
+            self._check_open()
+            if text:
+                tok = self.tokenizer
+                if tok is None:
+                    raise VmmstreamError(f"{self.path} has no tokenizer.json; pass token ids instead of text")
+                ids = tok.encode(prompt).ids
+                if not ids:
+                    raise ValueError("prompt: the text encodes to no tokens; give a longer prompt")
+            else:
+                ids = validate.token_ids("prompt", prompt, v)
+            n, m, mc = len(ids), max_new_tokens, self.plan.max_context
+            if n + m > mc:
+                raise ContextLengthError(
+                    f"prompt of {n} tokens + max_new_tokens {m} = {n + m} positions exceeds max_context {mc}, the "
+                    "KV cache this model was loaded with; load it with a larger max_context or ask for fewer "
+                    "tokens", requested=n + m, max_context=mc)
+            sampling = None if temperature == 0 else (temperature, top_k, top_p)
+            out, logits = self.engine.run(ids, m, sampling=sampling, seed=seed, return_logits=return_logits,
+                                          stop=stop)
+            result = self.tokenizer.decode(out) if text else out
+            if self.rebalance_experts_auto:
+                self.engine.rebalance_experts()
         return (result, logits) if return_logits else result
 
     def rebalance_experts(self, *, force: bool = False) -> int:
         """Re-choose the resident experts from the routing counts so far (prefill and decode); returns the
         number of experts moved. Outside any graph: the units are copied and the location table rewritten,
         and the captured decode graph reads the table when it runs, so nothing is recaptured."""
-        return self.engine.rebalance_experts(force=force)
+        with self._lock:
+            self._check_open()
+            return self.engine.rebalance_experts(force=force)
 
     # ------------------------------------------------------------------------------- observability
     @property
@@ -159,6 +165,10 @@ class Model:
         """Counters since load. Times are device time from CUDA events (I11); on the host backend they are
         host wall time of the emulated streams. Page-ins count copies enqueued (eager steps) and copies in
         the graph times its replays."""
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> dict:
         c, p, snap = dict(self.engine.counters), self.plan, self.memory.snapshot()
         resident = sum(x.payload for x in p.placements if x.where == "resident")
         per_token = resident + p.streamed_bytes_per_token
@@ -189,7 +199,7 @@ class Model:
         ex = self.weights.experts if self.weights is not None else None
         if ex is not None:
             self.engine.synchronize()
-            k, dec = ex.counters, c["decode_tokens"]
+            k, dec = ex.counters, c["graph_replays"]   # per token the device decoded
             out.update({
                 "expert_hits": k["decode_hits"] + k["prefill_hits"],
                 "expert_misses": k["decode_misses"] + k["prefill_misses"],
@@ -212,7 +222,11 @@ class Model:
         return self.weights.quant.to_dict()
 
     def memory_report(self) -> str:
-        s = self.stats()
+        with self._lock:
+            return self._memory_report()
+
+    def _memory_report(self) -> str:
+        s = self._stats()
         lines = [f"model {self.path.name}  ({self.holder}, {self.backend})", self.memory.report(), "",
                  f"strategy {s['strategy']}: {format_bytes(self.plan.resident_bytes)} resident, "
                  f"{format_bytes(s['streamed_bytes_per_token'])} streamed per token through "
@@ -232,23 +246,25 @@ class Model:
             raise VmmstreamError("the model is closed")
 
     def close(self) -> None:
-        """Release everything the model holds (fenced: after its queued work). Idempotent."""
-        if self.closed:
-            return
-        self.closed = True
-        mem = self.memory
-        attempt = Attempts()
-
-        # The engine stops first and closes last: the memory fences the placement's frees on its streams.
-        if self.engine is not None:
-            attempt(self.engine.stop)
-        attempt(self.placement.close)
-        if self.engine is not None:
-            attempt(self.engine.close)
-        release_leases(mem.authority, self.holder)
-        if self._owns_memory and not mem.closed and not mem.blocks:
-            attempt(mem.close)
-        attempt.raise_first()
+        """Release everything the model holds (fenced: after its queued work); the process's shared memory
+        closes with the last model on it. Idempotent."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            mem = self.memory
+            attempt = Attempts()
+            # The engine stops first and closes last: the memory fences the placement's frees on its streams.
+            if self.engine is not None:
+                attempt(self.engine.stop)
+            attempt(self.placement.close)
+            if self.engine is not None:
+                attempt(self.engine.close)
+            release_leases(mem.authority, self.holder)
+            mem.models -= 1
+            if mem.closes_with_models and mem.models == 0 and not mem.closed and not mem.blocks:
+                attempt(mem.close)
+            attempt.raise_first()
 
     def __enter__(self):
         return self

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .budget import parse_budget, parse_budget_spec
-from .errors import Attempts, BudgetError
+from .budget import format_bytes, parse_budget, parse_budget_spec
+from .errors import Attempts, BudgetError, CapacityError
 from .execution.kv import KVCache
 from .execution.step import Activations
 from .execution.weights import Weights
@@ -27,8 +27,9 @@ ROLES_PLANNED = ("weights_resident", "weight_slots", "kv_cache", "workspace_step
 
 def prepare(path, budget=None, *, memory=None, backend: str | None = None, quantize: str | None = None):
     """The checks of a load request, the checkpoint's headers and the device memory to load into:
-    ``(checkpoint, memory, created)``, ``created`` when the process's shared memory for the device was made here
-    (the model then owns it and closes it with itself).
+    ``(checkpoint, memory)``, with the coming model already counted among the memory's users (``memory.models``)
+    so that no other model's ``close()`` closes it in between. The process's shared memory, when this load made
+    it, closes with the last model on it; a ``memory`` passed in stays the caller's to close.
 
     Raises ``ValueError`` (bad ``quantize``), ``BudgetError``, ``CheckpointError`` / ``UnsupportedModelError``
     before any device work, and ``BudgetError`` when ``budget`` and a given ``memory`` disagree.
@@ -40,19 +41,26 @@ def prepare(path, budget=None, *, memory=None, backend: str | None = None, quant
     if budget is not None:
         parse_budget_spec(budget)                   # a bad budget is a BudgetError before any device work
     ck = open_checkpoint(path)                      # headers only: CheckpointError / UnsupportedModelError
-    created = False
-    if memory is None:
-        device = 0
-        existed = any(d == device and not m.closed for (_, d), m in memmod._by_device.items())
-        memory = memmod.device_memory(budget, device=device, backend=backend)
-        created = not existed
-    elif budget is not None:
-        free, total = memory.driver.mem_get_info()
-        want = parse_budget(budget, total, device_free=free)
-        if want != memory.authority.budget:
-            raise BudgetError(f"budget {budget!r} ({want} bytes) differs from the given memory's budget "
-                              f"({memory.authority.budget} bytes)")
-    return ck, memory, created
+    if memory is not None:
+        if budget is not None:
+            free, total = memory.driver.mem_get_info()
+            want = parse_budget(budget, total, device_free=free)
+            if want != memory.authority.budget:
+                raise BudgetError(f"budget {budget!r} ({want} bytes) differs from the given memory's budget "
+                                  f"({memory.authority.budget} bytes)")
+        with memory.lock:
+            memory.models += 1
+        return ck, memory
+    while True:                                     # the shared memory may close under us: then take a new one
+        existed = any(d == 0 and not m.closed for (_, d), m in memmod._by_device.items())
+        memory = memmod.device_memory(budget, device=0, backend=backend)
+        with memory.lock:
+            if memory.closed:
+                continue
+            if not existed and memory.models == 0 and not memory.blocks:
+                memory.closes_with_models = True
+            memory.models += 1
+            return ck, memory
 
 
 def plan_model(checkpoint, memory, *, max_context=None, slots=None, h2d_gbps=None, prefill_chunk=None,
@@ -69,7 +77,19 @@ def plan_model(checkpoint, memory, *, max_context=None, slots=None, h2d_gbps=Non
     tmax = min(chunk, mc)
     ws = workspace_peaks(c, mc, tmax)
     a = memory.authority
-    plan = make_plan(c, checkpoint.tensors, a.budget, budget_source=(a.budget_source.kind, a.budget_source.detail),
+    # Other models' grants are theirs: plan against what is left (idle retained handles count as free, a grant
+    # takes them back). The source says so when it is less than the whole budget.
+    held = sum(l.granted for l in a.leases.values())
+    left = a.budget - held
+    if left <= 0:
+        raise CapacityError(f"the other models on this device hold the whole budget ({format_bytes(a.budget)}); "
+                            "close one or raise the budget", requested=0, budget=a.budget, in_use=held,
+                            role="floor", holder="plan")
+    detail = a.budget_source.detail
+    if left < a.budget:
+        detail = (f"{detail + '; ' if detail else ''}{format_bytes(left)} of {format_bytes(a.budget)} left by "
+                  "the other models on this device")
+    plan = make_plan(c, checkpoint.tensors, left, budget_source=(a.budget_source.kind, detail),
                      max_context=max_context, slots=slots, granularity=memory.granularity, workspace=ws,
                      h2d_gbps=h2d_gbps, legacy=memory.legacy, prefill_chunk=chunk,
                      sources={"granularity": "explicit", "workspace": "inferred"}, quantize=quantize)
@@ -85,6 +105,7 @@ def admit(authority, holder: str, plan) -> None:
                 before = lease.granted
                 authority.grant(lease, n)
                 tx.on_undo(authority.restore_grant, lease, before)
+                lease.keeps_grant = True       # the plan's bytes stay the model's until it closes
 
 
 def release_leases(authority, holder: str) -> None:

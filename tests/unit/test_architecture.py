@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # nor another group of the same rank. Groups are top-level modules or subpackages of ``vmmstream``, and the
 # kernel families of ``vmmstream.kernels``. docs/ARCHITECTURE.md draws the same table.
 RANKS = {
-    "errors": 0, "align": 0,
+    "errors": 0, "align": 0, "validate": 0,
     "budget": 1, "kernels.base": 1,
     "config": 2, "kernels.ops": 2, "model": 2,
     "driver": 3, "kernels.matmul": 3, "kernels.attention": 3,

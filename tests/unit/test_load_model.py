@@ -357,14 +357,33 @@ def test_i3_a_driver_failure_anywhere_in_load_releases_everything(which, request
 
 
 def test_capacity_taken_by_another_holder_is_refused_before_allocation(tiny):
-    fits, _, _ = budgets(tiny)
+    """Another holder leaves less than the floor: refused before any allocation (I9)."""
+    fits, _, floor = budgets(tiny)
     mem = memory(fits)
-    other = mem.allocate(fits // 2, role="activations", holder="someone-else")
+    other = mem.allocate(fits - floor + G, role="activations", holder="someone-else")
     with pytest.raises(CapacityError):
         vmmstream.load_model(tiny, memory=mem, max_context=MC, slots=2)
     assert [b for b in mem.blocks] == [other]
     mem.free(other)
     mem.close()
+
+
+def test_a_model_is_planned_against_the_budget_the_others_left(tiny):
+    """Another holder takes half the budget: the model plans to stream within the rest instead of failing, the
+    plan says how much was left, and its tokens are the fully resident run's (I10)."""
+    fits, _, floor = budgets(tiny)
+    want, _, _ = run(tiny, fits)
+    mem = memory(fits)
+    other = mem.allocate(fits // 2, role="activations", holder="someone-else")
+    try:
+        with vmmstream.load_model(tiny, memory=mem, max_context=MC) as m:
+            assert m.plan.strategy == "streamed" and m.plan.budget <= fits - fits // 2
+            assert "left by the other models" in str(m.plan)
+            assert m.generate(PROMPT, 24) == want
+            assert mem.authority.committed <= mem.authority.budget
+    finally:
+        mem.free(other)
+        mem.close()
 
 
 # ------------------------------------------------------------------------------------------------- CLI

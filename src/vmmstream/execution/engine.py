@@ -110,9 +110,15 @@ class Engine:
             ex.reset_counters()
 
     # ------------------------------------------------------------------------------------------ run
-    def run(self, ids, max_new_tokens: int, *, sampling=None, seed: int = 0, return_logits: bool = False):
-        """Prefill ``ids`` and produce ``max_new_tokens`` tokens: ``(tokens, logits)``, logits the fp32
-        ``[max_new_tokens, vocab]`` of every new token with ``return_logits``, else None.
+    # With stop tokens, the replays go in blocks of this many and the tokens are read between blocks: a stop
+    # costs at most a block's tokens past it, and a read (a synchronize) comes once a block, not once a token.
+    STOP_CHECK_TOKENS = 8
+
+    def run(self, ids, max_new_tokens: int, *, sampling=None, seed: int = 0, return_logits: bool = False,
+            stop=frozenset()):
+        """Prefill ``ids`` and produce up to ``max_new_tokens`` tokens: ``(tokens, logits)``, logits the fp32
+        ``[len(tokens), vocab]`` of every new token with ``return_logits``, else None. ``stop``: token ids after
+        which decoding ends (the stop token is the last one returned).
 
         ``sampling``: None (greedy) or ``(temperature, top_k, top_p)``, which is also the key of its decode graph
         (captured on first use). The caller has checked the request: ``ids`` non-empty and inside the
@@ -132,22 +138,40 @@ class Engine:
         vmm0 = d.vmm_call_count()
         t0, t1 = self._timing_events()
         d.event_record(t0, self.S)
-        for _ in range(m - 1):
-            graph.replay()
-            if return_logits:
-                logits.append(self._read_logits())
+        made = 1                                             # tokens produced so far (prefill made the first)
+        block = self.STOP_CHECK_TOKENS if stop else m
+        tokens = None
+        while made < m:
+            if stop and made == 1 and self._read_tokens(n, 1)[0] in stop:
+                break
+            for _ in range(min(block, m - made)):
+                graph.replay()
+                made += 1
+                if return_logits:
+                    logits.append(self._read_logits())
+            if stop:
+                tokens = self._read_tokens(n, made)
+                if any(t in stop for t in tokens):
+                    break
         d.event_record(t1, self.S)
         d.stream_synchronize(self.S)
+        replays = made - 1
+        if tokens is None or len(tokens) != made:
+            tokens = self._read_tokens(n, made)
+        if stop:
+            cut = next((i for i, t in enumerate(tokens) if t in stop), None)
+            if cut is not None:
+                tokens = tokens[:cut + 1]
+                logits = logits[:cut + 1]
         cnt["vmm_calls_decode"] += d.vmm_call_count() - vmm0
-        cnt["decode_tokens"] += m - 1
-        cnt["graph_replays"] += m - 1
+        cnt["decode_tokens"] += len(tokens) - 1              # tokens returned; replays past a stop are not
+        cnt["graph_replays"] += replays
         cnt["generate_calls"] += 1
-        if m > 1:
+        if replays:
             cnt["decode_ms"] += d.event_elapsed_ms(t0, t1)
-            cnt["decode_timed_tokens"] += m - 1
-        cnt["page_ins"] += (m - 1) * self._copies_per_replay
-        cnt["page_in_bytes"] += (m - 1) * (self.weights.streamed_payload if self._copies_per_replay else 0)
-        tokens = self._read_tokens(n, m)
+            cnt["decode_timed_tokens"] += replays            # the device rate counts every replay it timed
+        cnt["page_ins"] += replays * self._copies_per_replay
+        cnt["page_in_bytes"] += replays * (self.weights.streamed_payload if self._copies_per_replay else 0)
         return tokens, (np.stack(logits) if return_logits else None)
 
     def graph(self, sampling) -> DecodeGraph:

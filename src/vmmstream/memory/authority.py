@@ -30,6 +30,10 @@ class Lease:
     granted: int = 0
     committed: int = 0
     peak: int = 0
+    # A grant made for a holder's life (a model's admitted plan): freeing memory of this lease gives the
+    # physical bytes back but keeps the grant, so memory freed between steps (the step workspace) can always be
+    # taken again, whatever other holders were granted meanwhile.
+    keeps_grant: bool = False
 
     @property
     def headroom(self) -> int:
@@ -162,11 +166,13 @@ class Authority:
         self.retained += nbytes
 
     def take_from_retained(self, lease: Lease, nbytes: int) -> None:
-        """A retained handle is reused for ``lease``: reserved total is unchanged."""
+        """A retained handle is reused for ``lease``. Bytes the lease was already granted (admission grants a
+        model's whole plan up front) are not granted twice: the lease grows only by what its headroom lacks,
+        so the reserved total never grows and falls by the headroom used."""
         if nbytes > self.retained:
             raise AssertionError("taking more than is retained")
         self.retained -= nbytes
-        lease.granted += nbytes
+        lease.granted += max(0, nbytes - lease.headroom)
         self.commit(lease, nbytes)
 
     def _note_peak(self) -> None:

@@ -11,6 +11,8 @@ aliasing, no remapping.
 
 from __future__ import annotations
 
+import threading
+
 from ..budget import format_bytes
 from ..driver import GATE, Driver, Stream
 from ..errors import VmmstreamError
@@ -70,6 +72,13 @@ class DeviceMemory:
         self.blocks: set[Block] = set()
         self.mapped_bytes = 0
         self.closed = False
+        # Models that share this memory serialize their calls on this lock (I12): their engines share the
+        # device, the ledger and the pool, none of which is locked on its own.
+        self.lock = threading.RLock()
+        # The process's shared memory made for a model closes when its last model closes (``models``
+        # counts them); memory a caller made or passed in stays the caller's to close.
+        self.models = 0
+        self.closes_with_models = False
 
     # -- arenas and streams --
     def arena(self, name: str, va_bytes: int | None = None) -> VirtualArena:
@@ -241,7 +250,7 @@ class DeviceMemory:
                     block.state = "plain"
                     raise
                 self.mapped_bytes -= block.size
-                self.authority.uncommit(block.lease, block.size)
+                self.authority.uncommit(block.lease, block.size, keep_grant=block.lease.keeps_grant)
                 self.blocks.discard(block)
                 block.state = "freed"
             block.state = "releasing"

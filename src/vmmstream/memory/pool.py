@@ -90,8 +90,21 @@ class PhysicalPool:
     def give_back(self, lease: Lease, h: PhysicalHandle) -> None:
         """The holder is done with ``h`` (already unmapped everywhere): retain it, then trim past the bound.
 
-        Retaining first means a failing ``cuMemRelease`` leaves the handle idle and charged, never lost.
+        Retaining first means a failing ``cuMemRelease`` leaves the handle idle and charged, never lost. A lease
+        that keeps its grant has its handle released at once instead (an idle handle would be charged twice: to
+        the pool and to the grant); if that release fails the handle is retained and the grant shrinks by as much.
         """
+        if lease.keeps_grant:
+            self.authority.uncommit(lease, h.size, keep_grant=True)
+            try:
+                self._release(h)
+                return
+            except DriverError:
+                lease.granted -= h.size
+                self.authority.retained += h.size
+                self._idle[h.handle] = h
+                self.release_failures += 1
+                return
         self.authority.move_to_retained(lease, h.size)
         self._idle[h.handle] = h
         excess = self.retained_bytes - self.max_retained
