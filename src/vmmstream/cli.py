@@ -10,7 +10,13 @@ from . import __version__
 from .budget import format_bytes, parse_budget
 from .config import ALL as ALL_VARIABLES
 from .config import BUDGET, LEGACY_ALLOCATOR
+from .cli_model import _budget
 from .errors import VmmstreamError
+
+# Errors that mean "the request is wrong", not "vmmstream is broken": the package's own errors, the API's
+# ValueError/TypeError for a bad argument (token ids outside the vocabulary are only known once the checkpoint is
+# open), and OSError from reading a path or writing a checkpoint. Anything else is a bug and keeps its traceback.
+_USER_ERRORS = (VmmstreamError, ValueError, TypeError, OSError)
 
 
 def _info(args) -> int:
@@ -63,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="backend, device, driver, granularity, budget and a pool self-check")
     info.add_argument("--json", action="store_true", help="print JSON")
-    info.add_argument("--budget", default=None, help="budget to resolve (default: VMMSTREAM_BUDGET or auto)")
+    info.add_argument("--budget", type=_budget, default=None,
+                      help="budget to resolve (default: VMMSTREAM_BUDGET or auto)")
     info.add_argument("--backend", default=None, choices=("cuda", "host", "auto"))
     info.set_defaults(fn=_info)
     from .cli_model import add_subcommands; add_subcommands(sub)
@@ -72,10 +79,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    """The ``vmmstream`` command; returns its exit code (2: a bad request, 130: interrupted)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:           # a bad argument (2, after argparse's usage and error lines), --help (0)
+        return exc.code
     try:
         return args.fn(args)
-    except VmmstreamError as exc:
+    except KeyboardInterrupt:
+        # The commands hold models and drivers in `with` / `finally`, so by now everything is released.
+        print("vmmstream: interrupted", file=sys.stderr)
+        return 130
+    except _USER_ERRORS as exc:
         print(f"vmmstream: error: {exc}", file=sys.stderr)
         return 2
 

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from .budget import format_bytes, parse_budget
+from .budget import format_bytes, parse_budget, parse_budget_spec
 from .config import BUDGET, LEGACY_ALLOCATOR
 from .errors import BudgetError, VmmstreamError
 
@@ -27,7 +27,7 @@ def add_subcommands(subparsers) -> None:
                     f"checkpoint directory or a preset name ({', '.join(PRESETS)}). Reads only config.json "
                     "and the safetensors headers.")
     plan.add_argument("model", metavar="MODEL")
-    plan.add_argument("--budget", default=None,
+    plan.add_argument("--budget", type=_budget, default=None,
                       help="device memory budget in bytes, e.g. 2GiB (default: VMMSTREAM_BUDGET)")
     plan.add_argument("--max-context", type=_positive, default=None,
                       help="longest sequence the KV cache holds (default: min(4096, max_position_embeddings))")
@@ -49,7 +49,7 @@ def add_subcommands(subparsers) -> None:
         description="Write config.json and model.safetensors (or shards + index) with random bf16 weights.")
     make.add_argument("--preset", required=True, choices=sorted(PRESETS))
     make.add_argument("out", metavar="OUT", help="output directory")
-    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--seed", type=_non_negative, default=0)
     make.add_argument("--shard-bytes", default=None, help="split into shards of at most this size, e.g. 2GB")
     make.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in OUT")
     make.set_defaults(fn=_make_checkpoint)
@@ -113,28 +113,48 @@ def _make_checkpoint(args) -> int:
             print(f"\rwriting {args.out}: {format_bytes(done)} of {format_bytes(total)} ({pct}%)",
                   end="", file=sys.stderr, flush=True)
 
-    out = make_checkpoint(preset, args.out, seed=args.seed, shard_bytes=shard, overwrite=args.overwrite,
-                          progress=progress)
-    if show:
-        print(file=sys.stderr)
+    try:
+        out = make_checkpoint(preset, args.out, seed=args.seed, shard_bytes=shard, overwrite=args.overwrite,
+                              progress=progress)
+    finally:
+        if last[0] >= 0:        # end the progress line, so an error or "interrupted" starts on its own line
+            print(file=sys.stderr)
     files = sorted(p.name for p in out.iterdir() if p.suffix in (".safetensors", ".json"))
     print(f"wrote {out}: preset {preset.name}, {preset.config.n_params():,} parameters, "
           f"{format_bytes(total)} bf16, seed {args.seed}; {', '.join(files)}")
     return 0
 
 
-def _positive(text: str) -> int:
+# Argument types: a bad value is an argparse error at parse time ("vmmstream <sub>: error: argument --x: ...",
+# exit 2), before any checkpoint is opened or device touched. Each message names the value and what is accepted.
+
+def _integer(text: str, lo: int, accepted: str) -> int:
     try:
         v = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; expected {accepted}") from None
+    if v < lo:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {accepted}")
     return v
+
+
+def _positive(text: str) -> int:
+    return _integer(text, 1, "an integer >= 1")
+
+
+def _non_negative(text: str) -> int:
+    return _integer(text, 0, "an integer >= 0")
 
 
 def _slots(text: str) -> int:
-    v = _positive(text)
-    if v < 2:
-        raise argparse.ArgumentTypeError("streaming needs at least 2 slots (one fills while another is read)")
-    return v
+    return _integer(text, 2, "an integer >= 2 (streaming fills one slot while another is read)")
+
+
+def _budget(text: str) -> str:
+    """The budget as given (a fraction or 'auto' is resolved against the device later), checked by the package's
+    own parser so the message is the one the API gives."""
+    try:
+        parse_budget_spec(text)
+    except BudgetError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 import time
 
 from .budget import format_bytes
-from .cli_model import _positive
+from .cli_model import _budget, _non_negative, _positive, _slots
 
 
 def add_subcommands(subparsers) -> None:
@@ -19,21 +20,21 @@ def add_subcommands(subparsers) -> None:
         description="Load MODEL (a Hugging Face checkpoint directory) within the device memory budget, keeping "
                     "what fits resident and streaming the rest, and generate tokens (greedy by default).")
     gen.add_argument("model", metavar="MODEL")
-    gen.add_argument("--budget", default=None, help="device memory budget, e.g. 2GiB (default: VMMSTREAM_BUDGET, "
-                                                    "else auto = 0.9 x free)")
+    gen.add_argument("--budget", type=_budget, default=None,
+                     help="device memory budget, e.g. 2GiB (default: VMMSTREAM_BUDGET, else auto = 0.9 x free)")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs tokenizer.json in MODEL)")
     src.add_argument("--ids", type=_ids, help="prompt token ids, comma separated: 1,2,3")
     gen.add_argument("--max-new-tokens", type=_positive, default=32)
     gen.add_argument("--max-context", type=_positive, default=None,
                      help="positions the KV cache holds (default: min(4096, max_position_embeddings))")
-    gen.add_argument("--slots", type=_positive, default=None, help="streaming slots K >= 2 (default 2)")
+    gen.add_argument("--slots", type=_slots, default=None, help="streaming slots K >= 2 (default 2)")
     gen.add_argument("--quantize", default=None, choices=("int4", "mxfp4"),
                      help="store the layers' linear weights quantized (quantized while loading)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=_non_negative, default=0, help="0 = no limit (default)")
+    gen.add_argument("--top-p", type=_top_p, default=1.0, help="in (0, 1]; 1 = no limit (default)")
+    gen.add_argument("--seed", type=_non_negative, default=0)
     gen.add_argument("--backend", default=None, choices=("cuda", "host", "auto"))
     gen.add_argument("--plan", action="store_true", help="print the plan before generating")
     gen.add_argument("--stats", action="store_true", help="print the counters after generating")
@@ -47,7 +48,7 @@ def add_subcommands(subparsers) -> None:
                     "the plan, the tokens and the counters. Runs on the host backend when there is no GPU.")
     demo.add_argument("--preset", default=None,
                       help="preset to build (default: 'small' on a GPU, 'tiny' on the host backend)")
-    demo.add_argument("--budget", default=None, help="budget (default: the floor plus half the weights)")
+    demo.add_argument("--budget", type=_budget, default=None, help="budget (default: the floor plus half the weights)")
     demo.add_argument("--max-new-tokens", type=_positive, default=16)
     demo.add_argument("--backend", default=None, choices=("cuda", "host", "auto"))
     demo.add_argument("--json", action="store_true", help="print one JSON object")
@@ -152,10 +153,31 @@ def _print_stats(s: dict, seconds: float) -> None:
 
 
 def _ids(text: str) -> list:
+    """Comma-separated non-negative token ids; whether they are inside the vocabulary is known only once the
+    checkpoint is open (the API's ValueError, reported by ``main``)."""
+    accepted = "comma-separated non-negative integer token ids such as 1,7,42"
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    if not parts or not all(x.isdecimal() for x in parts):      # isdecimal: no sign, point or exponent
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {accepted}")
+    return [int(x) for x in parts]
+
+
+def _float(text: str) -> float:
     try:
-        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
+        return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids") from None
-    if not ids:
-        raise argparse.ArgumentTypeError("give at least one token id")
-    return ids
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def _temperature(text: str) -> float:
+    v = _float(text)
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number >= 0 (0 = greedy)")
+    return v
+
+
+def _top_p(text: str) -> float:
+    v = _float(text)
+    if not 0 < v <= 1:                  # false for nan too
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number in (0, 1]")
+    return v
