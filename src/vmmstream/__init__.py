@@ -25,8 +25,13 @@ def __getattr__(name):
     if name in ("load_model", "Model"):
         from . import api
         return getattr(api, name)
+    # The checkpoint errors live with the model layer, which imports numpy: also only when asked for.
+    if name in ("CheckpointError", "UnsupportedModelError"):
+        from . import model
+        return getattr(model, name)
     raise AttributeError(f"module 'vmmstream' has no attribute {name!r}")
 
 
-__all__ = ["load_model", "Model", "parse_budget", "BudgetError", "CapacityError", "CaptureError", "ConfigError",
-           "ContextLengthError", "DriverError", "VmmstreamError", "WorkspaceShortfall"]
+__all__ = ["load_model", "Model", "parse_budget", "BudgetError", "CapacityError", "CaptureError", "CheckpointError",
+           "ConfigError", "ContextLengthError", "DriverError", "UnsupportedModelError", "VmmstreamError",
+           "WorkspaceShortfall"]

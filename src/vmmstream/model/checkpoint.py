@@ -5,12 +5,18 @@ offsets relative to the end of the header) + the raw little-endian tensor bytes.
 ourselves costs a read of a few kilobytes per file, so ``open_checkpoint`` and ``vmmstream plan`` never
 touch weight bytes, and every problem (missing tensor, wrong shape, unsupported dtype, truncated file,
 missing shard) is a ``CheckpointError`` before anything is allocated.
+
+The files may be hostile: a shard name that leaves the directory, a pipe or device instead of a file, sizes and
+nesting that would exhaust memory or the parser. Every file is opened through ``_open_regular`` (regular file,
+size-checked, never blocking) and every name from the index through ``_check_shard_name``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import reprlib
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +25,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 import numpy as np
 
 from ..errors import VmmstreamError
-from .config import ModelConfig, load_config
+from .config import ModelConfig, UnsupportedModelError
 
 
 class CheckpointError(VmmstreamError, ValueError):
@@ -36,6 +42,8 @@ DTYPES = {"BF16": np.dtype("<u2"), "F16": np.dtype("<f2"), "F32": np.dtype("<f4"
 _ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
              "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 MAX_HEADER = 100 * 2**20          # safetensors' own limit; a bigger N means a corrupt or foreign file
+MAX_JSON = 64 * 2**20             # config.json and the index: real ones are kilobytes, a bigger one is not theirs
+CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)   # buffers some old exports saved; recomputed from config
@@ -76,24 +84,18 @@ class Checkpoint:
 def read_header(path) -> list[TensorInfo]:
     """Parse one safetensors file's header (no tensor bytes are read); raise ``CheckpointError`` if it is bad."""
     path = str(path)
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path} is truncated: {size} bytes, not even the 8-byte header length")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER:
-                raise CheckpointError(f"{path}: header length {n} is implausible; not a safetensors file?")
-            if 8 + n > size:
-                raise CheckpointError(f"{path} is truncated: header says {n} bytes of JSON, file holds {size - 8}")
-            raw = f.read(n)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} does not exist") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: header is not valid JSON ({exc}); not a safetensors file?") from None
+    with _open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path} is truncated: {size} bytes, not even the 8-byte header length")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER:
+            raise CheckpointError(f"{path}: header length {n} is implausible; not a safetensors file?")
+        if 8 + n > size:
+            raise CheckpointError(f"{path} is truncated: header says {n} bytes of JSON, file holds {size - 8}")
+        raw = f.read(n)
+    header = _loads(raw, path, "header", hint="; not a safetensors file?")
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is not a JSON object")
     data_start, data_len = 8 + n, size - 8 - n
@@ -101,13 +103,26 @@ def read_header(path) -> list[TensorInfo]:
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype, shape, (begin, end) = meta["dtype"], tuple(int(s) for s in meta["shape"]), meta["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: header entry for {name!r} is malformed: {meta!r}") from None
-        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end) or min(shape, default=0) < 0:
-            raise CheckpointError(f"{path}: tensor {name!r} has bad data_offsets {meta['data_offsets']!r}")
-        info = TensorInfo(name, str(dtype), shape, end - begin, path, data_start + begin)
+        if not isinstance(meta, dict):
+            raise CheckpointError(f"{path}: header entry for {name!r} is {reprlib.repr(meta)}; it must be an object "
+                                  "with dtype, shape and data_offsets")
+        missing = [k for k in ("dtype", "shape", "data_offsets") if k not in meta]
+        if missing:
+            raise CheckpointError(f"{path}: header entry for {name!r} is malformed, it lacks {', '.join(missing)}: "
+                                  f"{reprlib.repr(meta)}")
+        dtype, shape, offsets = meta["dtype"], meta["shape"], meta["data_offsets"]
+        if not isinstance(dtype, str):
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {reprlib.repr(dtype)}; a dtype is a string "
+                                  "such as 'BF16'")
+        if not isinstance(shape, list) or not all(map(_is_count, shape)):
+            raise CheckpointError(f"{path}: tensor {name!r} has shape {reprlib.repr(shape)}; a shape is a list of "
+                                  "non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))
+                and offsets[0] <= offsets[1]):
+            raise CheckpointError(f"{path}: tensor {name!r} has data_offsets {reprlib.repr(offsets)}; they must be "
+                                  "[begin, end] with integers 0 <= begin <= end")
+        begin, end = offsets
+        info = TensorInfo(name, dtype, tuple(shape), end - begin, path, data_start + begin)
         if dtype in _ITEMSIZE and info.numel * _ITEMSIZE[dtype] != info.nbytes:
             raise CheckpointError(f"{path}: tensor {name!r} {dtype}{list(shape)} needs "
                                   f"{info.numel * _ITEMSIZE[dtype]} bytes but its data_offsets span {info.nbytes}")
@@ -116,25 +131,60 @@ def read_header(path) -> list[TensorInfo]:
                 f"{path} is truncated: tensor {name!r} ends at data byte {end} but the file holds {data_len} "
                 "data bytes; re-download or re-write the checkpoint")
         out.append(info)
+    # two tensors sharing bytes would alias each other's buffers once loaded
+    spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in out if t.nbytes)
+    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise CheckpointError(f"{path}: tensors {n0!r} and {n1!r} overlap (data bytes {b0 - data_start}-"
+                                  f"{e0 - data_start} and {b1 - data_start}-{e1 - data_start}); each tensor must "
+                                  "have bytes of its own")
     return out
 
 
-def _shard_files(root: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: the index's shards, else the single file, else every one there."""
+def _read_index(root: Path) -> dict[str, str] | None:
+    """The index's ``weight_map`` (tensor name -> shard name), checked; None when there is no index."""
     index = root / INDEX
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index} is not a valid index (needs a 'weight_map'): {exc}") from None
-        names = list(dict.fromkeys(weight_map.values()))
-        missing = [s for s in names if not (root / s).is_file()]
+    if not os.path.lexists(index):
+        return None
+    doc = _read_json(index, "index")
+    if not isinstance(doc, dict) or "weight_map" not in doc:
+        raise CheckpointError(f"{index} is not a valid index: it needs a 'weight_map' object")
+    weight_map = doc["weight_map"]
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: 'weight_map' is a {type(weight_map).__name__}; it must be an object "
+                              "{tensor name: shard file name}")
+    for key, shard in weight_map.items():
+        _check_shard_name(root, key, shard)
+    return weight_map
+
+
+def _check_shard_name(root: Path, key: str, name) -> None:
+    """Refuse a shard name from the index that is not a string or could reach outside ``root``.
+
+    The name is judged, not where it leads: the Hugging Face cache's snapshot files are symlinks into
+    ``../../blobs``, so the resolved path of a legitimate shard is outside the snapshot directory.
+    """
+    index = root / INDEX
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise CheckpointError(f"{index}: weight_map[{key!r}] is {reprlib.repr(name)}; it must be a shard name, "
+                              "a file name relative to the checkpoint directory")
+    p = Path(name)
+    if p.anchor or ".." in p.parts:
+        raise CheckpointError(f"{index}: weight_map[{key!r}] names shard {name!r}, which is outside {root}; shard "
+                              "names must be relative paths inside the checkpoint directory, without '..'")
+
+
+def _shard_files(root: Path, weight_map: dict[str, str] | None) -> list[Path]:
+    """The safetensors files of a checkpoint: the index's shards, else the single file, else every one there."""
+    if weight_map is not None:
+        files = list(dict.fromkeys(root / s for s in weight_map.values()))
+        missing = [str(f.relative_to(root)) for f in files if not f.exists()]
         if missing:
             raise CheckpointError(
-                f"{index} names shard(s) {', '.join(missing)} that are not in {root}; the download is incomplete",
-                [f"missing shard {s}" for s in missing])
-        return [root / s for s in names]
-    if (root / SINGLE).is_file():
+                f"{root / INDEX} names shard(s) {', '.join(missing)} that are not in {root}; the download is "
+                "incomplete", [f"missing shard {s}" for s in missing])
+        return files
+    if os.path.lexists(root / SINGLE):
         return [root / SINGLE]
     found = sorted(root.glob("*.safetensors"))
     if not found:
@@ -145,20 +195,18 @@ def _shard_files(root: Path) -> list[Path]:
 def read_headers(path) -> dict[str, TensorInfo]:
     """Every tensor of a checkpoint directory, by name, from the headers alone."""
     root = Path(path)
-    files = _shard_files(root)
+    weight_map = _read_index(root)
     tensors: dict[str, TensorInfo] = {}
-    for f in files:
+    for f in _shard_files(root, weight_map):
         for t in read_header(f):
             if t.name in tensors:
                 raise CheckpointError(f"tensor {t.name!r} is in both {tensors[t.name].file} and {f}")
             tensors[t.name] = t
-    index = root / INDEX
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+    if weight_map is not None:
         wrong = [f"{n} (index: {s})" for n, s in weight_map.items()
-                 if n not in tensors or Path(tensors[n].file).name != s]
+                 if n not in tensors or tensors[n].file != str(root / s)]
         if wrong:
-            raise CheckpointError(f"{index} places tensors in shards that do not hold them: "
+            raise CheckpointError(f"{root / INDEX} places tensors in shards that do not hold them: "
                                   f"{_first(wrong)}", wrong)
     return tensors
 
@@ -193,12 +241,20 @@ def open_checkpoint(path, *, validate: bool = True) -> Checkpoint:
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"{root} is not a directory; give a Hugging Face checkpoint directory")
-    config = load_config(root)
+    config = _read_config(root)
     tensors = read_headers(root)
     if validate:
         tensors = validate_tensors(config, tensors)
     files = tuple(dict.fromkeys(t.file for t in tensors.values()))
     return Checkpoint(root, config, tensors, files)
+
+
+def _read_config(root: Path) -> ModelConfig:
+    # not load_config: config.json is a file of the checkpoint like the others and gets the same guarded read
+    path = root / CONFIG
+    if not os.path.lexists(path):
+        raise UnsupportedModelError(f"no config.json at {path}; a Hugging Face checkpoint directory has one")
+    return ModelConfig.from_dict(_read_json(path, "config", invalid=UnsupportedModelError))
 
 
 def synthetic_tensors(config: ModelConfig, dtype: str = "BF16") -> dict[str, TensorInfo]:
@@ -222,7 +278,7 @@ def read_tensor(info: TensorInfo, out=None) -> np.ndarray:
     if out is None:
         out = np.empty(info.numel, dtype=dt)
     view = _byte_view(out, info)
-    with open(info.file, "rb") as f:
+    with _open_regular(info.file) as f:
         _read_into(f, info, view)
     return np.frombuffer(out, dtype=np.uint8, count=info.nbytes).view(dt).reshape(info.shape)
 
@@ -246,7 +302,7 @@ def iter_load(tensors: Iterable[TensorInfo], buffer_for: Callable[[TensorInfo], 
             if info.file != name:
                 if f is not None:
                     f.close()
-                f, name = open(info.file, "rb"), info.file
+                f, name = _open_regular(info.file), info.file
             _read_into(f, info, _byte_view(buffer_for(info), info))
             done += info.nbytes
             if progress is not None:
@@ -272,6 +328,69 @@ def load_tokenizer(path):
     except ImportError:
         return None
     return Tokenizer.from_file(str(p))
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _open_regular(path, limit: int | None = None, what: str = "file"):
+    """``path`` opened for binary reading; a ``CheckpointError`` unless it is a regular file (a symlink to one is
+    fine) of at most ``limit`` bytes.
+
+    The type and size come from ``os.stat`` before anything is opened, since ``open()`` blocks forever on a
+    named pipe and a read of ``/dev/zero`` never ends. The open is non-blocking and the descriptor checked
+    again, so a file swapped for a pipe in between cannot block us either.
+    """
+    path = str(path)
+
+    def refuse_unless_regular(st):
+        if not stat.S_ISREG(st.st_mode):
+            kind = next((k for test, k in _KINDS if test(st.st_mode)), "not a regular file")
+            raise CheckpointError(f"{path} is {kind}; a checkpoint's files must be regular files "
+                                  "(or symlinks to regular files)")
+        if limit is not None and st.st_size > limit:
+            raise CheckpointError(f"{path} is {st.st_size:,} bytes, over the {limit >> 20} MiB accepted for a "
+                                  f"{what} file; is it the right file?")
+
+    try:
+        refuse_unless_regular(os.stat(path))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} does not exist") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path} cannot be read: {exc.strerror}") from None
+    f = os.fdopen(fd, "rb")
+    try:
+        refuse_unless_regular(os.fstat(fd))
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+def _read_json(path: Path, what: str, invalid=CheckpointError):
+    """A small JSON file of the checkpoint (config.json, the index), parsed."""
+    with _open_regular(path, MAX_JSON, what) as f:
+        raw = f.read(MAX_JSON + 1)
+    if len(raw) > MAX_JSON:     # it grew after the size check
+        raise CheckpointError(f"{path} is over the {MAX_JSON >> 20} MiB accepted for a {what} file")
+    return _loads(raw, path, what, invalid)
+
+
+def _loads(raw: bytes, path, what: str, invalid=CheckpointError, hint: str = ""):
+    """``json.loads``; bad JSON raises ``invalid``, naming the file."""
+    try:
+        return json.loads(raw)
+    except RecursionError:      # the C parser recurses once per nesting level: "[[[[..." of a few hundred KB
+        raise CheckpointError(f"{path}: the {what} JSON is nested too deeply to parse; a {what} nests a few "
+                              "levels at most") from None
+    except ValueError as exc:   # JSONDecodeError, UnicodeDecodeError, or an integer of more digits than int() takes
+        raise invalid(f"{path}: {what} is not valid JSON ({exc}){hint}") from None
+
+
+def _is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def _byte_view(buf, info: TensorInfo) -> memoryview:

@@ -360,13 +360,13 @@ def _architecture(d: dict) -> str:
         if not isinstance(archs, list):
             raise UnsupportedModelError(f"config 'architectures' must be a list, got {archs!r}")
         arch = archs[0]
-    elif d.get("model_type") in _BY_MODEL_TYPE:
+    elif isinstance(d.get("model_type"), str) and d["model_type"] in _BY_MODEL_TYPE:
         arch = _BY_MODEL_TYPE[d["model_type"]]
     else:
         raise UnsupportedModelError(
             f"config names no architecture (architectures missing, model_type={d.get('model_type')!r}); "
             f"supported: {', '.join(ARCHITECTURES)}")
-    if arch not in ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:     # a list there is unhashable
         raise UnsupportedModelError(_unsupported_arch(arch))
     return arch
 
