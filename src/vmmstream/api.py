@@ -46,6 +46,13 @@ def load_model(path, budget=None, *, max_context: int | None = None, slots: int 
     Raises ``CheckpointError`` / ``UnsupportedModelError`` (bad checkpoint), ``BudgetError`` (bad budget),
     ``CapacityError`` (no plan fits, or the memory is taken), ``DriverError``; nothing stays allocated.
     """
+    max_context = validate.optional_integer("max_context", max_context, lo=1)
+    slots = validate.optional_integer("slots", slots, lo=2, what="an integer >= 2 (streaming needs two slots)")
+    prefill_chunk = validate.optional_integer("prefill_chunk", prefill_chunk, lo=1)
+    if h2d_gbps is not None:
+        h2d_gbps = validate.real("h2d_gbps", h2d_gbps, lo=0.0, lo_open=True)
+    if not (progress is None or isinstance(progress, bool) or callable(progress)):
+        raise TypeError(f"progress={progress!r}: expected True, False, None or a callable(done_bytes, total_bytes)")
     ck, memory = prepare(path, budget, memory=memory, backend=backend, quantize=quantize)
     return Model(ck, memory, max_context=max_context, slots=slots, progress=progress, h2d_gbps=h2d_gbps,
                  prefill_chunk=prefill_chunk, quantize=quantize)

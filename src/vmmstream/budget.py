@@ -6,6 +6,8 @@ import math
 import re
 from dataclasses import dataclass
 
+import numpy as np
+
 from .errors import BudgetError
 
 _UNITS = {
@@ -29,8 +31,12 @@ class BudgetSpec:
 
 def parse_budget_spec(value) -> BudgetSpec:
     """Parse without a device. Raises ``BudgetError`` (a ``ValueError``) on anything unclear."""
-    if isinstance(value, bool) or value is None:
+    if isinstance(value, (bool, np.bool_)) or value is None:
         raise BudgetError(f"budget {value!r} is not a size; give bytes, '6GiB', '80%', 0.8 or 'auto'")
+    if isinstance(value, np.integer):      # a value read from an array is a value
+        value = int(value)
+    elif isinstance(value, np.floating):
+        value = float(value)
     if isinstance(value, int):
         if value <= 0:
             raise BudgetError(f"budget {value} bytes must be positive")
@@ -74,6 +80,9 @@ def parse_budget(value, device_total: int | None = None, *, device_free: int | N
     """
     spec = parse_budget_spec(value)
     if spec.nbytes is not None:
+        if device_total is not None and spec.nbytes > device_total:
+            raise BudgetError(f"budget {value!r} ({format_bytes(spec.nbytes)}) is more than the device has "
+                              f"({format_bytes(device_total)}); give at most that, or a fraction such as '90%'")
         return spec.nbytes
     if spec.fraction is not None:
         if device_total is None:

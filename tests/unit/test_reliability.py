@@ -300,3 +300,38 @@ def _floor(path) -> int:
         make_plan(ck.config, ck.tensors, 1, granularity=G, max_context=MC,
                   workspace=workspace_peaks(ck.config, MC, MC))
     return math.ceil(e.value.requested / G) * G
+
+
+# ------------------------------------------------------------------------------------ load_model's arguments
+
+@pytest.mark.parametrize("kwargs,exc,name", [
+    (dict(max_context=0), ValueError, "max_context"), (dict(max_context=64.5), TypeError, "max_context"),
+    (dict(slots=1), ValueError, "slots"), (dict(slots=2.0), TypeError, "slots"),
+    (dict(prefill_chunk=0), ValueError, "prefill_chunk"), (dict(prefill_chunk=-4), ValueError, "prefill_chunk"),
+    (dict(h2d_gbps=float("nan")), ValueError, "h2d_gbps"), (dict(h2d_gbps=0), ValueError, "h2d_gbps"),
+    (dict(progress="yes"), TypeError, "progress"),
+])
+def test_bad_load_argument_names_itself(tiny, kwargs, exc, name):
+    mem = memory(fits(tiny))
+    with pytest.raises(exc, match=name):
+        vmmstream.load_model(tiny, memory=mem, **kwargs)
+    assert not mem.blocks and not mem.authority.leases and mem.models == 0
+    mem.close()
+
+
+def test_numpy_budget_is_bytes_and_too_large_a_budget_is_refused(tiny):
+    from vmmstream.budget import parse_budget
+    assert parse_budget(np.int64(1 << 30), 2 << 30) == 1 << 30
+    assert parse_budget(np.float32(0.5), 2 << 30) == 1 << 30
+    with pytest.raises(vmmstream.BudgetError, match="more than the device has"):
+        parse_budget(3 << 30, 2 << 30)
+    with pytest.raises(vmmstream.BudgetError, match="more than the device has"):
+        vmmstream.load_model(tiny, budget="1TiB", backend="host", max_context=MC)
+    assert _shared_clean()
+
+
+def test_the_cuda_backend_without_a_driver_is_a_typed_error(monkeypatch):
+    from vmmstream.driver import cuda as cuda_mod, open_driver
+    monkeypatch.setattr(cuda_mod, "cuda_usable", lambda: (False, "libcuda.so.1 not found"))
+    with pytest.raises(vmmstream.VmmstreamError, match="libcuda.so.1 not found"):
+        open_driver("cuda")

@@ -24,7 +24,11 @@ def open_driver(backend: str | None = None, ordinal: int = 0, **host_options) ->
     """Open a driver for ``backend`` (see ``resolve_backend``)."""
     name = resolve_backend(backend)
     if name == "cuda":
-        from .cuda import CudaDriver
+        from .cuda import CudaDriver, cuda_usable
+        ok, why = cuda_usable()
+        if not ok:   # e.g. no libcuda: say so, instead of a loader error from deep inside cuda.bindings
+            raise VmmstreamError(f"the cuda backend cannot start here ({why}); use backend='host' (or "
+                                 "VMMSTREAM_BACKEND=host) on a machine without a usable NVIDIA driver")
         return CudaDriver(ordinal)
     from .host import HostDriver
     return HostDriver(**host_options)
