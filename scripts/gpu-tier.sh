@@ -20,13 +20,13 @@ run() {  # name, test files...
   return $rc
 }
 rc=0
-run memory tests/gpu/test_memory_gpu.py tests/gpu/test_load_model_gpu.py || rc=1
+run memory tests/gpu/test_memory_gpu.py tests/gpu/test_load_model_gpu.py tests/gpu/test_faults_gpu.py || rc=1
 # the kernel files: one test per worker where pytest-xdist is there (16 cores on the GPU machine)
 xd=()
 python3 -c "import xdist" 2>/dev/null && xd=(-n "${GPU_TIER_WORKERS:-12}")
 run kernels "${xd[@]}" tests/gpu/test_dense_kernels_gpu.py tests/gpu/test_qgemv_gpu.py tests/gpu/test_qgemv_imma_gpu.py \
   tests/gpu/test_attention_gpu.py tests/gpu/test_moe_gpu.py || rc=1
-covered="test_memory_gpu.py test_load_model_gpu.py test_dense_kernels_gpu.py test_qgemv_gpu.py test_qgemv_imma_gpu.py test_attention_gpu.py test_moe_gpu.py"
+covered="test_memory_gpu.py test_load_model_gpu.py test_faults_gpu.py test_dense_kernels_gpu.py test_qgemv_gpu.py test_qgemv_imma_gpu.py test_attention_gpu.py test_moe_gpu.py"
 for f in tests/gpu/test_*.py; do
   case " $covered " in *" $(basename "$f") "*) ;; *) echo "not run by this script: $f"; rc=1;; esac
 done

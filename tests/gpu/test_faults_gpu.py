@@ -1,0 +1,175 @@
+"""The host tier's fault injection, on the CUDA backend: a failure injected at every driver call of a load, of a
+generate call and of a close leaves 0 mapped, 0 owned, created == released and the device's free memory where it
+was (cuMemGetInfo); ``KeyboardInterrupt`` during load, prefill and decode leaves the model usable and the memory
+where it was (I2, I3, I8). Fails (never skips) without a GPU (root conftest)."""
+
+from __future__ import annotations
+
+import pytest
+
+import vmmstream
+from vmmstream.errors import CapacityError, DriverError
+
+pytestmark = pytest.mark.gpu
+
+MiB = 1 << 20
+MC = 64
+PROMPT = [1, 5, 9, 33, 7, 2]
+
+
+class Interrupt:
+    """Fault injector: the ``n``-th driver call raises ``KeyboardInterrupt`` (a user's Ctrl-C lands there)."""
+
+    def __init__(self, n: int):
+        self.n, self.seen, self.fired = n, 0, None
+
+    def __call__(self, name: str) -> None:
+        self.seen += 1
+        if self.seen == self.n and self.fired is None:
+            self.fired = name
+            raise KeyboardInterrupt(f"injected at {name}")
+
+
+@pytest.fixture(scope="module")
+def driver():
+    from vmmstream.driver.cuda import CudaDriver
+    return CudaDriver(0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from vmmstream.model import make_checkpoint
+    return make_checkpoint("tiny", tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+def _streaming_budget(path, gran) -> int:
+    """Half the weights resident: slots, aliases and host copies all take part."""
+    from vmmstream.loading import workspace_peaks
+    from vmmstream.model import open_checkpoint
+    from vmmstream.planning import make_plan
+    ck = open_checkpoint(path)
+    full = make_plan(ck.config, ck.tensors, 1 << 40, granularity=gran, max_context=MC,
+                     workspace=workspace_peaks(ck.config, MC, MC))
+    return full.floor + full.weight_bytes // 2
+
+
+def _memory(driver, budget):
+    from vmmstream.memory import DeviceMemory
+    return DeviceMemory(driver, budget)
+
+
+def _clean(mem):
+    a = mem.authority
+    assert not mem.blocks and mem.mapped_bytes == 0
+    assert not any(l.granted or l.committed for l in a.leases.values())
+    calls = mem.driver.calls                          # pinned host memory: every allocation freed again
+    assert calls.get("host_alloc", 0) == calls.get("host_free", 0)
+
+
+@pytest.fixture(scope="module")
+def warm(driver, tiny):
+    """Compile and load every kernel once, so the free-memory checks below see budget memory only."""
+    mem = _memory(driver, _streaming_budget(tiny, driver.granularity()))
+    with vmmstream.load_model(tiny, memory=mem, max_context=MC) as m:
+        want = m.generate(PROMPT, 8)
+    mem.close()
+    driver.synchronize()
+    return want
+
+
+def _each_call(driver, make_injector, run, on_fault):
+    """Run ``run`` with the n-th driver call failing, for n = 1, 2, ... until it completes; ``on_fault`` checks
+    the state after each failure. Returns the number of calls failed."""
+    failed = 0
+    for n in range(1, 100_000):
+        inj = make_injector(n)
+        driver.fault_injector = inj
+        try:
+            result = run()
+        except (DriverError, KeyboardInterrupt) as exc:
+            assert inj.fired, f"{type(exc).__name__} without the injected fault: {exc}"
+            failed += 1
+            driver.fault_injector = None
+            on_fault(exc)
+            continue
+        finally:
+            driver.fault_injector = None
+        assert inj.fired is None
+        return failed, result
+    raise AssertionError("never completed")
+
+
+@pytest.mark.parametrize("kind", ["driver-error", "interrupt"])
+def test_i3_a_fault_at_every_driver_call_of_a_load_leaves_nothing(driver, tiny, warm, fail_at, kind):
+    budget = _streaming_budget(tiny, driver.granularity())
+    driver.synchronize()
+    free0, _ = driver.mem_get_info()
+    mem = _memory(driver, budget)
+    make = fail_at if kind == "driver-error" else Interrupt
+
+    def after(_):
+        _clean(mem)
+    failed, m = _each_call(driver, make, lambda: vmmstream.load_model(tiny, memory=mem, max_context=MC), after)
+    assert failed > 50
+    assert m.generate(PROMPT, 8) == warm             # and it loads and runs afterwards
+    m.close()
+    _clean(mem)
+    mem.close()
+    assert mem.pool.created == mem.pool.released      # I2
+    driver.synchronize()
+    assert free0 - driver.mem_get_info()[0] <= 8 * MiB
+
+
+@pytest.mark.parametrize("kind", ["driver-error", "interrupt"])
+def test_a_fault_at_every_driver_call_of_generate_leaves_the_model_usable(driver, tiny, warm, fail_at, kind):
+    """Prefill and decode interrupted or failed at every call: the model still answers as before, and its
+    memory is what it held before the call (the step workspace released, I8)."""
+    mem = _memory(driver, _streaming_budget(tiny, driver.granularity()))
+    with vmmstream.load_model(tiny, memory=mem, max_context=MC) as m:
+        m.generate(PROMPT, 8)
+        held = dict(mem.snapshot()["by_holder"])
+        make = fail_at if kind == "driver-error" else Interrupt
+
+        def after(_):
+            driver.synchronize()
+            mem.collect()
+            assert dict(mem.snapshot()["by_holder"]) == held
+        failed, out = _each_call(driver, make, lambda: m.generate(PROMPT, 8), after)
+        assert failed > 0 and out == warm
+        assert m.generate(PROMPT, 8) == warm
+    _clean(mem)
+    mem.close()
+    assert mem.pool.created == mem.pool.released
+
+
+def test_a_driver_failure_in_close_still_releases_the_rest(driver, tiny, warm, fail_at):
+    """Close with its n-th call failing: the error is raised after every other release was attempted; a second
+    close and the memory's own close leave created == released."""
+    budget = _streaming_budget(tiny, driver.granularity())
+    n = 1
+    while True:
+        mem = _memory(driver, budget)
+        m = vmmstream.load_model(tiny, memory=mem, max_context=MC)
+        inj = fail_at(n)
+        driver.fault_injector = inj
+        try:
+            m.close()
+        except DriverError:
+            assert inj.fired
+        finally:
+            driver.fault_injector = None
+        m.close()
+        mem.close()
+        assert mem.pool.created == mem.pool.released and mem.mapped_bytes == 0
+        if inj.fired is None:
+            break
+        n += 1
+    assert n > 10
+
+
+def test_capacity_refusals_on_cuda_change_nothing(driver, tiny, warm):
+    mem = _memory(driver, 4 * MiB)
+    with pytest.raises(CapacityError):
+        vmmstream.load_model(tiny, memory=mem, max_context=MC)
+    _clean(mem)
+    mem.close()
