@@ -74,14 +74,22 @@ class ContextLengthError(VmmstreamError, ValueError):
 class Attempts:
     """A teardown that goes on past a failure: ``attempts(fn, *args)`` runs each release step and keeps the
     exception, ``attempts.raise_first()`` raises the first one at the end. Every resource gets its chance to be
-    released even when an earlier one fails."""
+    released even when an earlier one fails, or a Ctrl-C lands in it: the interrupted step is tried once more (a
+    release step is idempotent or fails cleanly when repeated) and the ``KeyboardInterrupt`` raised once the
+    teardown is done."""
 
     def __init__(self):
-        self.errors: list[Exception] = []
+        self.errors: list[BaseException] = []
 
     def __call__(self, fn, *args) -> None:
         try:
             fn(*args)
+        except KeyboardInterrupt as exc:
+            self.errors.append(exc)
+            try:
+                fn(*args)
+            except (Exception, KeyboardInterrupt) as again:
+                self.errors.append(again)
         except Exception as exc:
             self.errors.append(exc)
 

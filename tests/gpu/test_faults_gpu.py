@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from faults import Interrupt, each_call
+
 import vmmstream
 from vmmstream.errors import CapacityError, DriverError
 
@@ -15,19 +17,6 @@ pytestmark = pytest.mark.gpu
 MiB = 1 << 20
 MC = 64
 PROMPT = [1, 5, 9, 33, 7, 2]
-
-
-class Interrupt:
-    """Fault injector: the ``n``-th driver call raises ``KeyboardInterrupt`` (a user's Ctrl-C lands there)."""
-
-    def __init__(self, n: int):
-        self.n, self.seen, self.fired = n, 0, None
-
-    def __call__(self, name: str) -> None:
-        self.seen += 1
-        if self.seen == self.n and self.fired is None:
-            self.fired = name
-            raise KeyboardInterrupt(f"injected at {name}")
 
 
 @pytest.fixture(scope="module")
@@ -77,28 +66,6 @@ def warm(driver, tiny):
     return want
 
 
-def _each_call(driver, make_injector, run, on_fault):
-    """Run ``run`` with the n-th driver call failing, for n = 1, 2, ... until it completes; ``on_fault`` checks
-    the state after each failure. Returns the number of calls failed."""
-    failed = 0
-    for n in range(1, 100_000):
-        inj = make_injector(n)
-        driver.fault_injector = inj
-        try:
-            result = run()
-        except (DriverError, KeyboardInterrupt) as exc:
-            assert inj.fired, f"{type(exc).__name__} without the injected fault: {exc}"
-            failed += 1
-            driver.fault_injector = None
-            on_fault(exc)
-            continue
-        finally:
-            driver.fault_injector = None
-        assert inj.fired is None
-        return failed, result
-    raise AssertionError("never completed")
-
-
 @pytest.mark.parametrize("kind", ["driver-error", "interrupt"])
 def test_i3_a_fault_at_every_driver_call_of_a_load_leaves_nothing(driver, tiny, warm, fail_at, kind):
     budget = _streaming_budget(tiny, driver.granularity())
@@ -109,7 +76,7 @@ def test_i3_a_fault_at_every_driver_call_of_a_load_leaves_nothing(driver, tiny, 
 
     def after(_):
         _clean(mem)
-    failed, m = _each_call(driver, make, lambda: vmmstream.load_model(tiny, memory=mem, max_context=MC), after)
+    failed, m = each_call(driver, make, lambda: vmmstream.load_model(tiny, memory=mem, max_context=MC), after)
     assert failed > 50
     assert m.generate(PROMPT, 8) == warm             # and it loads and runs afterwards
     m.close()
@@ -134,7 +101,7 @@ def test_a_fault_at_every_driver_call_of_generate_leaves_the_model_usable(driver
             driver.synchronize()
             mem.collect()
             assert dict(mem.snapshot()["by_holder"]) == held
-        failed, out = _each_call(driver, make, lambda: m.generate(PROMPT, 8), after)
+        failed, out = each_call(driver, make, lambda: m.generate(PROMPT, 8), after)
         assert failed > 0 and out == warm
         assert m.generate(PROMPT, 8) == warm
     _clean(mem)

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..align import align_up
 from ..driver import GATE
-from ..errors import Attempts
+from ..errors import Attempts, DriverError
 from .graph import DecodeGraph
 from .ops import make_ops
 from .step import Step
@@ -55,6 +55,7 @@ class Engine:
         self.memory, self.driver, self.holder = memory, memory.driver, holder
         self.config, self.plan = config, plan
         self.graphs: dict = {}
+        self._unfreed: list = []       # step workspace whose free failed; retried before the next use
         self.counters = dict(prefill_tokens=0, decode_tokens=0, generate_calls=0, eager_steps=0,
                              page_ins=0, page_in_bytes=0, h2d_ms=0.0, h2d_timed_bytes=0, decode_ms=0.0,
                              decode_timed_tokens=0, vmm_calls_decode=0, graph_captures=0, graph_replays=0)
@@ -249,12 +250,14 @@ class Engine:
         """Eager prefill in chunks of the activation buffers' size; the last chunk selects the first new token."""
         plan, n = self.plan, len(ids)
         tmax = self.acts.tmax
+        self._free_unfreed()
         ws_step, ws_view = None, None
         if plan.workspace["step"]:
             ws_step = self.memory.allocate(plan.workspace["step"], role="workspace_step", holder=self.holder,
                                            arena="workspace")
-            ws_view = self.ops.view(ws_step.va, (plan.workspace["step"],), np.uint8)
         try:
+            if ws_step is not None:
+                ws_view = self.ops.view(ws_step.va, (plan.workspace["step"],), np.uint8)
             for start in range(0, n, tmax):
                 t = min(tmax, n - start)
                 self._h2d(self.acts.addr("ids"), "ids", np.asarray(ids[start:start + t], np.int32))
@@ -273,7 +276,28 @@ class Engine:
                 self.counters["prefill_tokens"] += t
         finally:
             if ws_step is not None:       # step workspace lives for the step only (I8), even on an exception
-                self.memory.free(ws_step)  # fenced: unmapped once the queued prefill work is done
+                self._free_surely(ws_step)  # fenced: unmapped once the queued prefill work is done
+
+    def _free_surely(self, block) -> None:
+        """Free ``block`` even when a Ctrl-C or a driver failure lands inside the free (which then rolls back, I3):
+        it is tried again, the interrupt or error raised once it is done. A block that still cannot be freed is
+        kept and freed at the next call or at ``stop()``, never forgotten while it is charged."""
+        first = None
+        for _ in range(3):
+            try:
+                self.memory.free(block)
+                break
+            except (KeyboardInterrupt, DriverError) as exc:
+                first = first or exc
+        else:
+            self._unfreed.append(block)
+        if first is not None:
+            raise first
+
+    def _free_unfreed(self) -> None:
+        while self._unfreed:
+            self.memory.free(self._unfreed[0])
+            self._unfreed.pop(0)
 
     def _read_logits(self) -> np.ndarray:
         v = self.config.vocab_size
@@ -301,6 +325,8 @@ class Engine:
         if not mem.closed and not GATE.open:    # no synchronize inside a capture (e.g. a finalizer during one)
             for s in self._streams:
                 attempt(d.stream_synchronize, s)
+        if not mem.closed:
+            attempt(self._free_unfreed)
         for g in self.graphs.values():
             attempt(g.close)
         self.graphs.clear()

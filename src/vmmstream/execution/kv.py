@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import VmmstreamError
+from ..errors import Attempts, VmmstreamError
 
 MAX_CHUNKS = 8
 
@@ -107,8 +107,10 @@ class KVCache:
         self.closed = True
         if self.mem.closed:
             return
+        attempt = Attempts()       # every release is tried, a failure or a Ctrl-C raised once all were
         for b in reversed(self.blocks):
-            self.mem.free(b)
-        self.mem.synchronize()
-        if self.arena_name and self.arena_name in self.mem.arenas:
-            self.mem.arenas.pop(self.arena_name).close()
+            attempt(self.mem.free, b)
+        attempt(self.mem.synchronize)
+        if self.arena_name and self.arena_name in self.mem.arenas and not attempt.errors:
+            attempt(self.mem.arenas.pop(self.arena_name).close)
+        attempt.raise_first()

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..align import align_up
 from ..budget import format_bytes
+from ..errors import Attempts
 
 EMBED = "model.embed_tokens.weight"
 _PROGRESS_MIN_BYTES = 64 << 20
@@ -230,23 +231,25 @@ class Weights:
             return
         self.closed = True
         mem = self.mem
+        attempt = Attempts()       # every release is tried, a failure or a Ctrl-C raised once all were
         if not mem.closed:
             for t in self.tensors.values():      # aliases first: a slot cannot go while it is mapped elsewhere
                 if t.where == "streamed" and t.block is not None:
-                    mem.free(t.block)
+                    attempt(mem.free, t.block)
             for b in self.slots:
-                mem.free(b)
+                attempt(mem.free, b)
             for t in self.tensors.values():
                 if t.where == "resident" and t.block is not None:
-                    mem.free(t.block)
+                    attempt(mem.free, t.block)
             if self.experts is not None:
-                self.experts.free(mem)
-            mem.synchronize()
-            if self.arena_name and self.arena_name in mem.arenas:
-                mem.arenas.pop(self.arena_name).close()
+                attempt(self.experts.free, mem)
+            attempt(mem.synchronize)
+            if self.arena_name and self.arena_name in mem.arenas and not attempt.errors:
+                attempt(mem.arenas.pop(self.arena_name).close)
         if self.host_ptr:
-            self.driver.host_free(self.host_ptr)
+            attempt(self.driver.host_free, self.host_ptr)
             self.host_ptr = 0
+        attempt.raise_first()
 
 
 def _progress_printer(total: int, progress):

@@ -98,13 +98,14 @@ class PhysicalPool:
             self.authority.uncommit(lease, h.size, keep_grant=True)
             try:
                 self._release(h)
-                return
-            except DriverError:
+            except BaseException as exc:   # kept idle and charged as retained, never lost; Ctrl-C goes on up
                 lease.granted -= h.size
                 self.authority.retained += h.size
                 self._idle[h.handle] = h
                 self.release_failures += 1
-                return
+                if not isinstance(exc, DriverError):
+                    raise
+            return
         self.authority.move_to_retained(lease, h.size)
         self._idle[h.handle] = h
         excess = self.retained_bytes - self.max_retained
