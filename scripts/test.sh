@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 python3 -m pip install -q --upgrade pip
 python3 -m pip install -q -e ".[test]"
 export VMMSTREAM_BACKEND=host
-workers=(-n "${VMMSTREAM_TEST_WORKERS:-auto}")
+workers=(-n "${VMMSTREAM_TEST_WORKERS:-auto}" --dist worksteal)
 if [ "${1:-}" = "quick" ]; then
   python3 -m pytest -m unit -q -p no:cacheprovider "${workers[@]}" tests --deselect tests/unit/test_kernel_compile.py
   exit

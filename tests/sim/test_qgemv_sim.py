@@ -286,7 +286,7 @@ def test_qgemv_mma_mxfp4_chains_and_x_first(row_tiles, split, x_first):
     loaded ahead of W (``mma_x_first``) give the reference's bits, across a second x tile staged again at its
     own scale (K 4608, |x| >= 2^12 there) and a last row tile past N."""
     rng = np.random.default_rng(row_tiles)
-    n, k = 72, 4608
+    n, k = 40, 4608           # one block at 4 and 7 row tiles, two at 2; the last tile past N in every case
     xf = rng.standard_normal((1, k)).astype(np.float32)
     xf[0, 4096 + 9] = -3e5
     x = f32_to_bf16(xf)
