@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from .budget import format_bytes, parse_budget, parse_budget_spec
@@ -103,22 +102,14 @@ def _make_checkpoint(args) -> int:
     preset = get_preset(args.preset)
     shard = None if args.shard_bytes is None else parse_budget(args.shard_bytes)
     total = preset.weight_bytes
-    show = total >= _PROGRESS_MIN_BYTES
-    last = [-1]
-
-    def progress(done, total):
-        pct = 100 * done // max(1, total)
-        if show and pct != last[0]:
-            last[0] = pct
-            print(f"\rwriting {args.out}: {format_bytes(done)} of {format_bytes(total)} ({pct}%)",
-                  end="", file=sys.stderr, flush=True)
-
+    from .progress import ByteProgress
+    bar = ByteProgress(total, f"writing {args.out}") if total >= _PROGRESS_MIN_BYTES else None
     try:
         out = make_checkpoint(preset, args.out, seed=args.seed, shard_bytes=shard, overwrite=args.overwrite,
-                              progress=progress)
+                              progress=(lambda done, tot: bar(done, tot)) if bar else None)
     finally:
-        if last[0] >= 0:        # end the progress line, so an error or "interrupted" starts on its own line
-            print(file=sys.stderr)
+        if bar is not None:     # end the bar, so an error or "interrupted" starts on its own line
+            bar.close()
     files = sorted(p.name for p in out.iterdir() if p.suffix in (".safetensors", ".json"))
     print(f"wrote {out}: preset {preset.name}, {preset.config.n_params():,} parameters, "
           f"{format_bytes(total)} bf16, seed {args.seed}; {', '.join(files)}")

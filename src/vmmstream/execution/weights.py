@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import ctypes
 import os
-import sys
 
 import numpy as np
 
 from ..align import align_up
-from ..budget import format_bytes
 from ..errors import Attempts
 
 EMBED = "model.embed_tokens.weight"
@@ -211,6 +209,8 @@ class Weights:
         finally:
             if workers is not None:
                 workers.shutdown(wait=True, cancel_futures=True)
+            if report is not None and hasattr(report, "close"):
+                report.close()           # a bar left open on an error would keep its line
         if report is not None:
             report(total, total, None, final=True)
 
@@ -257,16 +257,8 @@ def _progress_printer(total: int, progress):
         return None
     if callable(progress) and progress is not True:
         return lambda done, tot, info, final=False: progress(done, tot)
-    last = [-1]
-
-    def show(done, tot, info, final=False):
-        pct = 100 * done // max(1, tot)
-        if pct != last[0] or final:
-            last[0] = pct
-            end = "\n" if final else ""
-            print(f"\rloading weights: {format_bytes(done)} of {format_bytes(tot)} ({pct}%)", end=end,
-                  file=sys.stderr, flush=True)
-    return show
+    from ..progress import ByteProgress
+    return ByteProgress(total, "loading weights")
 
 
 class Streamer:
