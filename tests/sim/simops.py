@@ -29,6 +29,9 @@ class SimCudaOps(CudaOps):
     def view_strided(self, va, shape, dtype, outer_stride):
         return FakeCUDAArray(HostOps.view_strided(self, va, shape, dtype, outer_stride))
 
+    def view_strides(self, va, shape, dtype, strides):
+        return FakeCUDAArray(HostOps.view_strides(self, va, shape, dtype, strides))
+
     @staticmethod
     def _s(stream):
         return None            # the simulator's default stream; ordering comes from the host driver's stream

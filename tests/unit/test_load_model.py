@@ -453,3 +453,22 @@ def test_chunked_prefill_equals_one_chunk_and_eos_stops(tiny):
             assert cut == whole[:whole.index(stop) + 1]
     finally:
         mem.close()
+
+
+def test_kv_views_are_made_once_and_are_the_layout_s_slices(tiny):
+    """Each layer's K/V views (made once at load from their addresses) are exactly the slices of the
+    position-major cache [S, layers, 2, Hkv, D] that the kernels read; a call hands out the same objects."""
+    mem = memory(budgets(tiny)[0])
+    with vmmstream.load_model(tiny, memory=mem, max_context=MC) as m:
+        kv = m.kv
+        full = m.engine.ops.view(kv.va, (kv.max_context, kv.layers, 2, kv.hkv, kv.d), np.uint16)
+        full4 = full[None]
+        for layer in range(kv.layers):
+            for got, want in ((kv.k(layer), full[:, layer, 0]), (kv.v(layer), full[:, layer, 1]),
+                              (kv.k4(layer), full4[:, :, layer, 0]), (kv.v4(layer), full4[:, :, layer, 1])):
+                assert got.shape == want.shape
+                assert [st for n, st in zip(got.shape, got.strides) if n > 1] == \
+                    [st for n, st in zip(want.shape, want.strides) if n > 1]       # a size-1 axis has no stride
+                assert got.__array_interface__["data"][0] == want.__array_interface__["data"][0]
+            assert kv.k(layer) is kv.k(layer)
+    mem.close()

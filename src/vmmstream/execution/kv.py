@@ -57,10 +57,19 @@ class KVCache:
                 self.blocks.append(b)
                 off += b.size
             self.ensure(1)
-        base = self.blocks[0].va
-        shape = (self.max_context, self.layers, 2, self.hkv, self.d)
-        self.cache = self.ops.view(base, shape, np.uint16)
-        self.cache4 = self.ops.view(base, (1,) + shape, np.uint16)
+        # Every layer's K and V views, made once from their addresses (never sliced per call): [S_max, Hkv, D]
+        # for prefill attention and the append kernel, [1, S_max, Hkv, D] for decode attention.
+        base, s, row = self.blocks[0].va, self.max_context, self.row_bytes
+        head, half = 2 * self.d, 2 * self.hkv * self.d        # bytes of one head's row, of one layer's K (or V)
+        rows = (s, self.hkv, self.d), (row, head, 2)
+        batch = (1, s, self.hkv, self.d), (s * row, row, head, 2)
+        self._k, self._v, self._k4, self._v4 = [], [], [], []
+        for layer in range(self.layers):
+            k, v = base + layer * 2 * half, base + layer * 2 * half + half
+            self._k.append(self.ops.view_strides(k, rows[0], np.uint16, rows[1]))
+            self._v.append(self.ops.view_strides(v, rows[0], np.uint16, rows[1]))
+            self._k4.append(self.ops.view_strides(k, batch[0], np.uint16, batch[1]))
+            self._v4.append(self.ops.view_strides(v, batch[0], np.uint16, batch[1]))
 
     @property
     def va(self) -> int:
@@ -68,17 +77,17 @@ class KVCache:
 
     def k(self, layer: int):
         """[S_max, Hkv, D] (prefill attention, the append kernel)."""
-        return self.cache[:, layer, 0]
+        return self._k[layer]
 
     def v(self, layer: int):
-        return self.cache[:, layer, 1]
+        return self._v[layer]
 
     def k4(self, layer: int):
         """[1, S_max, Hkv, D] (decode attention takes a batch axis)."""
-        return self.cache4[:, :, layer, 0]
+        return self._k4[layer]
 
     def v4(self, layer: int):
-        return self.cache4[:, :, layer, 1]
+        return self._v4[layer]
 
     @property
     def committed(self) -> int:

@@ -65,6 +65,14 @@ class HostOps:
         return np.lib.stride_tricks.as_strided(buf.view(np.uint8), shape=shape + (dtype.itemsize,),
                                                strides=strides + (1,)).view(dtype).reshape(shape)
 
+    def view_strides(self, va: int, shape, dtype, strides):
+        """A view with explicit byte ``strides`` (e.g. one layer's K in the position-major KV cache)."""
+        dtype = np.dtype(dtype)
+        shape, strides = tuple(int(x) for x in shape), tuple(int(x) for x in strides)
+        extent = sum((n - 1) * s for n, s in zip(shape, strides)) + dtype.itemsize if all(shape) else 0
+        buf = (ctypes.c_uint8 * max(extent, 1)).from_address(va)
+        return np.ndarray(shape, dtype, buffer=buf, strides=strides)
+
     @staticmethod
     def to_device(view, values) -> None:
         view[...] = np.asarray(values).reshape(view.shape)
@@ -299,6 +307,17 @@ class CudaOps:
         dtype = np.dtype(dtype)
         shape = tuple(int(x) for x in shape)
         strides = (int(outer_stride),) + tuple(np.empty(shape[1:], dtype).strides)
+
+        class _Cai:
+            __cuda_array_interface__ = {"shape": shape, "typestr": dtype.str, "data": (int(va), False),
+                                        "version": 3, "strides": strides}
+        return self.cuda.as_cuda_array(_Cai(), sync=False)
+
+    def view_strides(self, va: int, shape, dtype, strides):
+        """A device array with explicit byte ``strides``, made from its pointer: slicing a Numba device array
+        instead walks every element of the view in Python (seconds for a KV cache's layers)."""
+        dtype = np.dtype(dtype)
+        shape, strides = tuple(int(x) for x in shape), tuple(int(x) for x in strides)
 
         class _Cai:
             __cuda_array_interface__ = {"shape": shape, "typestr": dtype.str, "data": (int(va), False),
