@@ -311,3 +311,17 @@ def test_checkpoint_errors_are_exported_from_the_package():
     assert issubclass(CheckpointError, vmmstream.VmmstreamError) and issubclass(CheckpointError, ValueError)
     doc = vmmstream.load_model.__doc__
     assert "CheckpointError" in doc and "UnsupportedModelError" in doc
+
+
+@pytest.mark.parametrize("field,value", [("num_hidden_layers", 10 ** 7), ("num_attention_heads", 10 ** 6),
+                                         ("vocab_size", 10 ** 9)])
+def test_a_config_too_large_for_any_model_is_refused_before_anything_is_built(tmp_path, field, value):
+    """A hostile config must not make the reader expand millions of tensor names (memory, minutes)."""
+    import json
+    from vmmstream.model import make_checkpoint, open_checkpoint
+    path = make_checkpoint("tiny", tmp_path / "tiny", seed=0)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg[field] = value
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(vmmstream.UnsupportedModelError, match=field):
+        open_checkpoint(path)

@@ -31,6 +31,7 @@ ARCHITECTURES = {
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
 _QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 _BY_MODEL_TYPE = {mt: arch for arch, (mt, _) in ARCHITECTURES.items()}
+_LIMITS = {"num_hidden_layers": 1024, "num_experts": 4096, "num_experts_per_tok": 4096, "num_attention_heads": 4096, "num_key_value_heads": 4096, "head_dim": 4096}
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -68,6 +69,10 @@ class ModelConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise UnsupportedModelError(f"config field {name}={v!r} must be a positive integer")
+            # far past any real model: a hostile config must not make the reader build millions of entries
+            if v > _LIMITS.get(name, 1 << 24):
+                raise UnsupportedModelError(f"config field {name}={v} is larger than any model this reads "
+                                            f"(at most {_LIMITS.get(name, 1 << 24)})")
         if self.num_attention_heads % self.num_key_value_heads:
             raise UnsupportedModelError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -93,6 +98,9 @@ class ModelConfig:
                 if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                     raise UnsupportedModelError(f"{self.architecture}: config field {name}={v!r} must be a positive "
                                                 "integer")
+                if v > _LIMITS.get(name, 1 << 24):
+                    raise UnsupportedModelError(f"config field {name}={v} is larger than any model this reads "
+                                                f"(at most {_LIMITS.get(name, 1 << 24)})")
             if self.num_experts_per_tok > self.num_experts:
                 raise UnsupportedModelError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds "
                                             f"num_experts={self.num_experts}")
