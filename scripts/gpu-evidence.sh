@@ -22,7 +22,7 @@ kargs=()
     --format=csv; date -u +%Y-%m-%dT%H:%M:%SZ; } > "$out/machine.txt" 2>&1
 python3 -m vmmstream.cli info --json > "$out/info.json" 2>&1
 rc=0
-python3 -m pytest tests -m gpu -p no:cacheprovider -q --continue-on-collection-errors "${kargs[@]}" 2>&1 | tee "$out/gpu-tests.log" || rc=1
+bash scripts/gpu-tier.sh "$out" "$kexpr" 2>&1 | tee "$out/gpu-tests.log" || rc=1
 python3 -m pytest bench -p no:cacheprovider -q --continue-on-collection-errors "${kargs[@]}" --benchmark-json "$out/bench.json" \
   --benchmark-columns=min,median,max,rounds 2>&1 | tee "$out/bench.log" || rc=1
 python3 bench/report.py "$out/bench.json" "$out/machine.txt" > "$out/BENCHMARKS-run.md" 2>&1 || rc=1
