@@ -1,22 +1,48 @@
-"""Fault injection shared by the host and GPU tiers: a driver call that raises ``KeyboardInterrupt`` (a user's
-Ctrl-C lands inside some driver call), and the loop that fails each call of an operation in turn."""
+"""Fault injection shared by the host and GPU tiers: a Ctrl-C (a real SIGINT) before or after a driver call, and
+the loop that fails each call of an operation in turn."""
 
 from __future__ import annotations
+
+import signal
 
 from vmmstream.errors import DriverError
 
 
 class Interrupt:
-    """Fault injector: the ``n``-th driver call raises ``KeyboardInterrupt``."""
+    """SIGINT at the ``n``-th driver call, just before it runs (``after=True``: just after it returned, which is
+    where a Ctrl-C usually lands while the driver works without the GIL). Python turns it into
+    ``KeyboardInterrupt`` at once, or at the end of an uninterruptible section (``vmmstream.interrupts``)."""
 
-    def __init__(self, n: int):
-        self.n, self.seen, self.fired = n, 0, None
+    def __init__(self, n: int, after: bool = False):
+        self.n, self.after, self.seen, self.fired = n, after, 0, None
 
     def __call__(self, name: str) -> None:
         self.seen += 1
         if self.seen == self.n and self.fired is None:
             self.fired = name
-            raise KeyboardInterrupt(f"injected at {name}")
+            signal.raise_signal(signal.SIGINT)
+
+    def install(self, driver) -> None:
+        if self.after:
+            driver.after_call = self
+        else:
+            driver.fault_injector = self
+
+
+def interrupt_after(n: int) -> Interrupt:
+    return Interrupt(n, after=True)
+
+
+def _install(driver, inj) -> None:
+    if hasattr(inj, "install"):
+        inj.install(driver)
+    else:
+        driver.fault_injector = inj
+
+
+def _remove(driver) -> None:
+    driver.fault_injector = None
+    driver.after_call = None
 
 
 def each_call(driver, make_injector, run, on_fault):
@@ -26,17 +52,17 @@ def each_call(driver, make_injector, run, on_fault):
     failed = 0
     for n in range(1, 100_000):
         inj = make_injector(n)
-        driver.fault_injector = inj
+        _install(driver, inj)
         try:
             result = run()
         except (DriverError, KeyboardInterrupt) as exc:
             assert inj.fired, f"{type(exc).__name__} without the injected fault: {exc}"
             failed += 1
-            driver.fault_injector = None
+            _remove(driver)
             on_fault(exc)
             continue
         finally:
-            driver.fault_injector = None
+            _remove(driver)
         if inj.fired is not None:      # absorbed where that is the design (a failed release is kept and retried)
             on_fault(None)
             continue

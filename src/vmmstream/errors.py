@@ -74,9 +74,9 @@ class ContextLengthError(VmmstreamError, ValueError):
 class Attempts:
     """A teardown that goes on past a failure: ``attempts(fn, *args)`` runs each release step and keeps the
     exception, ``attempts.raise_first()`` raises the first one at the end. Every resource gets its chance to be
-    released even when an earlier one fails, or a Ctrl-C lands in it: the interrupted step is tried once more (a
-    release step is idempotent or fails cleanly when repeated) and the ``KeyboardInterrupt`` raised once the
-    teardown is done."""
+    released even when an earlier one fails or is interrupted; a ``KeyboardInterrupt`` is raised before any other
+    error once the teardown is done. A step is never repeated: a driver call interrupted after it returned has
+    happened (``vmmstream.interrupts`` keeps Ctrl-C out of the steps that pair a call with its bookkeeping)."""
 
     def __init__(self):
         self.errors: list[BaseException] = []
@@ -84,15 +84,12 @@ class Attempts:
     def __call__(self, fn, *args) -> None:
         try:
             fn(*args)
-        except KeyboardInterrupt as exc:
-            self.errors.append(exc)
-            try:
-                fn(*args)
-            except (Exception, KeyboardInterrupt) as again:
-                self.errors.append(again)
-        except Exception as exc:
+        except (Exception, KeyboardInterrupt) as exc:
             self.errors.append(exc)
 
     def raise_first(self) -> None:
+        for exc in self.errors:
+            if isinstance(exc, KeyboardInterrupt):
+                raise exc
         if self.errors:
             raise self.errors[0]

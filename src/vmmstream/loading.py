@@ -15,6 +15,7 @@ import numpy as np
 
 from .budget import format_bytes, parse_budget, parse_budget_spec
 from .errors import Attempts, BudgetError, CapacityError
+from .interrupts import uninterruptible
 from .execution.kv import KVCache
 from .execution.step import Activations
 from .execution.weights import Weights
@@ -52,13 +53,10 @@ def prepare(path, budget=None, *, memory=None, backend: str | None = None, quant
             memory.models += 1
         return ck, memory
     while True:                                     # the shared memory may close under us: then take a new one
-        existed = any(d == 0 and not m.closed for (_, d), m in memmod._by_device.items())
-        memory = memmod.device_memory(budget, device=0, backend=backend)
+        memory = memmod.device_memory(budget, device=0, backend=backend, for_model=True)
         with memory.lock:
             if memory.closed:
                 continue
-            if not existed and memory.models == 0 and not memory.blocks:
-                memory.closes_with_models = True
             memory.models += 1
             return ck, memory
 
@@ -113,6 +111,8 @@ def release_leases(authority, holder: str) -> None:
     rather than dropped, so the authority's books stay true."""
     for role in ROLES_PLANNED:
         lease = authority.leases.get((holder, role))
+        if lease is not None:
+            lease.keeps_grant = False          # what is still freed later gives its grant back with it
         if lease is not None and lease.committed == 0:
             del authority.leases[(holder, role)]
         elif lease is not None:
@@ -152,6 +152,7 @@ class Placement:
             self.blocks.append(self.ws_block)
         self.ws_session = ops.view(self.ws_block.va, (ws,), np.uint8) if ws else None
 
+    @uninterruptible()
     def close(self) -> None:
         """Free what was placed (fenced: after the work queued on the memory's tracked streams). Idempotent;
         every step is attempted, the first failure raised at the end."""
@@ -168,7 +169,18 @@ class Placement:
         if not mem.closed:
             for b in self.blocks:
                 attempt(mem.free, b)
+            # Anything else still charged to this model: an allocation completed while a Ctrl-C waited
+            # (``vmmstream.interrupts``) whose caller never kept it. Aliases go first, as in DeviceMemory.close.
+            left = sorted((b for b in mem.blocks if b.lease.holder == self.holder), key=lambda b: b.state != "alias")
+            for b in left:
+                attempt(mem.free, b)
             attempt(mem.synchronize)
+            for name in [n for n in mem.arenas if n.endswith(":" + self.holder)]:
+                if not mem.arenas[name]._used:
+                    attempt(mem.arenas[name].close)
+                    if not mem.arenas[name].closed:
+                        continue
+                    del mem.arenas[name]
         attempt.raise_first()
 
 

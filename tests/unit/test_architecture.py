@@ -20,9 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # nor another group of the same rank. Groups are top-level modules or subpackages of ``vmmstream``, and the
 # kernel families of ``vmmstream.kernels``. docs/ARCHITECTURE.md draws the same table.
 RANKS = {
-    "errors": 0, "align": 0, "validate": 0,
+    "errors": 0, "align": 0, "validate": 0, "interrupts": 0,
     "budget": 1, "kernels.base": 1, "progress": 2,
-    "config": 2, "kernels.ops": 2, "model": 2,
+    "config": 2, "kernels.ops": 2, "model": 2, "text": 2, "chat": 2,
     "driver": 3, "kernels.matmul": 3, "kernels.attention": 3,
     "memory": 4, "kernels.moe": 4, "quantization": 4, "kernels": 4,
     "planning": 5,

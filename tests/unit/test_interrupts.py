@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from faults import Interrupt, each_call
+from faults import Interrupt, each_call, interrupt_after
 
 import vmmstream
 from vmmstream.driver.host import HostDriver
@@ -46,9 +46,11 @@ def _clean(mem):
     assert not any(l.granted or l.committed for l in mem.authority.leases.values())
 
 
-def test_ctrl_c_at_every_driver_call_of_a_load_leaves_nothing(tiny):
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_ctrl_c_at_every_driver_call_of_a_load_leaves_nothing(tiny, when):
     mem = _memory(tiny)
-    failed, m = each_call(mem.driver, Interrupt, lambda: vmmstream.load_model(tiny, memory=mem, max_context=MC),
+    make = Interrupt if when == "before" else interrupt_after
+    failed, m = each_call(mem.driver, make, lambda: vmmstream.load_model(tiny, memory=mem, max_context=MC),
                           lambda _: _clean(mem))
     assert failed > 100 and m.plan.strategy == "streamed"
     want = m.generate(PROMPT, 12)
@@ -59,7 +61,7 @@ def test_ctrl_c_at_every_driver_call_of_a_load_leaves_nothing(tiny):
     assert want == _alone(tiny)
 
 
-@pytest.mark.parametrize("kind", ["interrupt", "driver-error"])
+@pytest.mark.parametrize("kind", ["interrupt", "interrupt-after", "driver-error"])
 def test_a_fault_at_every_driver_call_of_generate_leaves_the_model_usable(tiny, fail_at, kind):
     mem = _memory(tiny)
     with vmmstream.load_model(tiny, memory=mem, max_context=MC) as m:
@@ -69,8 +71,8 @@ def test_a_fault_at_every_driver_call_of_generate_leaves_the_model_usable(tiny, 
         def after(_):
             mem.collect()
             assert dict(mem.snapshot()["by_holder"]) == held              # the step workspace went back (I8)
-        failed, out = each_call(mem.driver, Interrupt if kind == "interrupt" else fail_at,
-                                lambda: m.generate(PROMPT, 12), after)
+        make = {"interrupt": Interrupt, "interrupt-after": interrupt_after, "driver-error": fail_at}[kind]
+        failed, out = each_call(mem.driver, make, lambda: m.generate(PROMPT, 12), after)
         assert failed > 20 and out == want
         assert m.generate(PROMPT, 12, temperature=0.7, seed=3) == m.generate(PROMPT, 12, temperature=0.7, seed=3)
     _clean(mem)
@@ -78,19 +80,20 @@ def test_a_fault_at_every_driver_call_of_generate_leaves_the_model_usable(tiny, 
     assert mem.pool.created == mem.pool.released
 
 
-def test_ctrl_c_at_every_driver_call_of_close_still_releases_everything(tiny):
+@pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
+def test_ctrl_c_at_every_driver_call_of_close_still_releases_everything(tiny, after):
     n = 1
     while True:
         mem = _memory(tiny)
         m = vmmstream.load_model(tiny, memory=mem, max_context=MC)
-        inj = Interrupt(n)
-        mem.driver.fault_injector = inj
+        inj = Interrupt(n, after=after)
+        inj.install(mem.driver)
         try:
             m.close()
         except KeyboardInterrupt:
             assert inj.fired
         finally:
-            mem.driver.fault_injector = None
+            mem.driver.fault_injector = mem.driver.after_call = None
         m.close()
         mem.close()
         assert mem.pool.created == mem.pool.released and mem.mapped_bytes == 0 and not mem.driver.host_allocs

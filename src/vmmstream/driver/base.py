@@ -81,7 +81,10 @@ def _forward(name: str):
         if self.fault_injector is not None:
             self.fault_injector(name)
         self.calls[name] += 1
-        return getattr(self, "_" + name)(*args, **kwargs)
+        result = getattr(self, "_" + name)(*args, **kwargs)
+        if self.after_call is not None:
+            self.after_call(name)
+        return result
 
     method.__name__ = name
     method.__qualname__ = f"Driver.{name}"
@@ -111,6 +114,7 @@ class Driver:
         self.calls: Counter = Counter()
         # A callable(name) that may raise DriverError to simulate a failure of that call.
         self.fault_injector: Callable[[str], None] | None = None
+        self.after_call: Callable[[str], None] | None = None     # tests: a signal after a call returned
 
     # Capture bracketing goes through the gate in both directions; the gate must close even when
     # the backend's end-capture call fails.

@@ -10,6 +10,8 @@ Owner: ``DecodeGraph`` owns its instantiated graph; ``close()`` destroys it and 
 
 from __future__ import annotations
 
+from ..interrupts import uninterruptible
+
 
 class DecodeGraph:
     def __init__(self, driver, stream, emit, *, key=None):
@@ -25,18 +27,20 @@ class DecodeGraph:
             except Exception:
                 pass
             raise
-        graph = driver.end_capture(stream)
-        try:
-            self.exec = driver.graph_instantiate(graph)
-        finally:
-            if driver.backend != "cuda":
-                driver.graph_destroy(graph)
+        with uninterruptible():           # the graph is kept as soon as it exists, so close() destroys it
+            graph = driver.end_capture(stream)
+            try:
+                self.exec = driver.graph_instantiate(graph)
+            finally:
+                if driver.backend != "cuda":
+                    driver.graph_destroy(graph)
         self.node_count = graph.node_count
 
     def replay(self) -> None:
         self.driver.graph_launch(self.exec, self.stream)
         self.replays += 1
 
+    @uninterruptible()
     def close(self) -> None:
         if self.exec is not None:
             self.driver.graph_destroy(self.exec)   # cuda: the exec and the captured graph it was made from

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import Attempts, VmmstreamError
+from ..interrupts import uninterruptible
 
 MAX_CHUNKS = 8
 
@@ -97,6 +98,7 @@ class KVCache:
         """Positions the committed pages hold now."""
         return min(self.max_context, self.committed // self.row_bytes)
 
+    @uninterruptible()
     def ensure(self, positions: int) -> int:
         """Commit pages for ``positions`` positions (VMM calls: call it before a step, never in a capture).
         Returns how many chunks were mapped."""
@@ -110,6 +112,7 @@ class KVCache:
             self.grows += 1
         return mapped
 
+    @uninterruptible()
     def close(self) -> None:
         if self.closed:
             return
@@ -120,6 +123,9 @@ class KVCache:
         for b in reversed(self.blocks):
             attempt(self.mem.free, b)
         attempt(self.mem.synchronize)
-        if self.arena_name and self.arena_name in self.mem.arenas and not attempt.errors:
-            attempt(self.mem.arenas.pop(self.arena_name).close)
+        arena = self.mem.arenas.get(self.arena_name) if self.arena_name else None
+        if arena is not None and not attempt.errors and not arena._used:   # else its owner's sweep closes it
+            attempt(arena.close)
+            if not attempt.errors:                     # forgotten only once its range is gone
+                del self.mem.arenas[self.arena_name]
         attempt.raise_first()

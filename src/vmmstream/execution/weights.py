@@ -22,6 +22,7 @@ import numpy as np
 
 from ..align import align_up
 from ..errors import Attempts
+from ..interrupts import uninterruptible
 
 EMBED = "model.embed_tokens.weight"
 _PROGRESS_MIN_BYTES = 64 << 20
@@ -122,7 +123,8 @@ class Weights:
             off += self.experts.host_bytes
         stage_off = off
         self.host_bytes = off + staging
-        self.host_ptr = self.driver.host_alloc(max(self.host_bytes, 1))
+        with uninterruptible():           # allocated and kept together, so close() frees it
+            self.host_ptr = self.driver.host_alloc(max(self.host_bytes, 1))
         for t in host:
             t.host = self.host_ptr + offsets[t.name]
         if self.experts is not None and self.experts.on_demand:
@@ -226,6 +228,7 @@ class Weights:
         return sum(t.payload for t in self.streamed)
 
     # -- teardown --
+    @uninterruptible()
     def close(self) -> None:
         if self.closed:
             return
@@ -244,11 +247,15 @@ class Weights:
             if self.experts is not None:
                 attempt(self.experts.free, mem)
             attempt(mem.synchronize)
-            if self.arena_name and self.arena_name in mem.arenas and not attempt.errors:
-                attempt(mem.arenas.pop(self.arena_name).close)
+            arena = mem.arenas.get(self.arena_name) if self.arena_name else None
+            if arena is not None and not attempt.errors and not arena._used:   # else its owner's sweep closes it
+                attempt(arena.close)
+                if not attempt.errors:                 # forgotten only once its range is gone
+                    del mem.arenas[self.arena_name]
         if self.host_ptr:
             attempt(self.driver.host_free, self.host_ptr)
-            self.host_ptr = 0
+            if not attempt.errors:
+                self.host_ptr = 0
         attempt.raise_first()
 
 
@@ -290,8 +297,9 @@ class Streamer:
         self.skip = None           # test hook: index of a copy to leave out (to see the tests go red)
 
     def _ev(self, timing=False):
-        e = self.driver.event_create(timing)
-        self.events.append(e)
+        with uninterruptible():           # made and kept together, so close() destroys every one
+            e = self.driver.event_create(timing)
+            self.events.append(e)
         return e
 
     def begin(self, timed: bool = False) -> None:
@@ -340,6 +348,7 @@ class Streamer:
         """Device time of the last timed step's copies (CUDA events on the copy stream)."""
         return sum(self.driver.event_elapsed_ms(a, b) for a, b in zip(self.t0, self.t1))
 
+    @uninterruptible()
     def close(self) -> None:
         for e in self.events:
             self.driver.event_destroy(e)

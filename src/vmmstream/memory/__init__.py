@@ -27,11 +27,13 @@ def resolve_budget(budget, driver) -> tuple[int, tuple[str, str]]:
     return parse_budget(budget, total, device_free=free), source
 
 
-def device_memory(budget=None, *, device: int = 0, backend: str | None = None) -> DeviceMemory:
+def device_memory(budget=None, *, device: int = 0, backend: str | None = None,
+                  for_model: bool = False) -> DeviceMemory:
     """The process's ``DeviceMemory`` for ``device``, created on first use.
 
     Models loaded in one process share it. A later call that names a different budget is an error
-    rather than a silent second authority.
+    rather than a silent second authority. ``for_model``: made for a model load, it closes with the last model
+    on it (``DeviceMemory.closes_with_models``), decided here under the registry's lock.
     """
     with _lock:
         for (bk, dev), mem in list(_by_device.items()):
@@ -49,5 +51,6 @@ def device_memory(budget=None, *, device: int = 0, backend: str | None = None) -
         driver = open_driver(backend, device)
         nbytes, source = resolve_budget(budget, driver)
         mem = DeviceMemory(driver, nbytes, budget_source=source, legacy=LEGACY_ALLOCATOR.get())
+        mem.closes_with_models = for_model
         _by_device[(driver.backend, device)] = mem
         return mem

@@ -16,6 +16,7 @@ import threading
 from ..budget import format_bytes
 from ..driver import GATE, Driver, Stream
 from ..errors import VmmstreamError
+from ..interrupts import uninterruptible
 from .arena import VirtualArena
 from .authority import Authority, Lease, _Source
 from .fence import FenceQueue
@@ -101,6 +102,7 @@ class DeviceMemory:
         GATE.check(what)
 
     # -- allocation --
+    @uninterruptible()
     def allocate(self, nbytes: int, *, role: str, holder: str, arena: str = "activations") -> Block:
         """A backed block of ``nbytes`` at a stable VA, charged to ``holder``/``role``."""
         self._check_open("allocation")
@@ -132,6 +134,7 @@ class DeviceMemory:
         self.mapped_bytes += size
         return block
 
+    @uninterruptible()
     def reserve(self, nbytes: int, *, role: str, holder: str, arena: str = "weights") -> Block:
         """A VA range with nothing behind it yet (streamed tensors, the end of a growing KV cache)."""
         self._check_open("VA reservation")
@@ -143,6 +146,7 @@ class DeviceMemory:
         self.blocks.add(block)
         return block
 
+    @uninterruptible()
     def back(self, block: Block) -> None:
         """Map a physical handle of the block's own (reused or created) at its VA."""
         self._check_open("map")
@@ -155,6 +159,7 @@ class DeviceMemory:
             self._map(block, h, tx)
         block.handle, block.aliased, block.state = h, False, "own"
 
+    @uninterruptible()
     def alias(self, block: Block, source: Block) -> None:
         """Map ``source``'s physical handle at ``block``'s VA too (same size; charged once, to ``source``).
 
@@ -192,6 +197,7 @@ class DeviceMemory:
             raise VmmstreamError(f"{what}: {block!r} is {block.state}; unmap it first")
 
     # -- release (fenced) --
+    @uninterruptible()
     def unmap(self, block: Block, streams: list[Stream] | None = None) -> None:
         """Take the backing away once in-flight work is done; the VA stays the block's (I4, I5)."""
         self._check_open("unmap")
@@ -232,6 +238,7 @@ class DeviceMemory:
                 block.state = prev
             raise
 
+    @uninterruptible()
     def free(self, block: Block, streams: list[Stream] | None = None) -> None:
         """Release the block: backing and VA, after the fences. Idempotent."""
         if block.state == "freed" or block not in self.blocks:
@@ -269,9 +276,11 @@ class DeviceMemory:
         self.blocks.discard(block)
         block.state = "freed"
 
+    @uninterruptible()
     def collect(self) -> int:
         return self.fences.collect()
 
+    @uninterruptible()
     def synchronize(self) -> None:
         """Wait for every pending release."""
         self.fences.drain()
@@ -286,6 +295,7 @@ class DeviceMemory:
         return table(self.snapshot())
 
     # -- teardown --
+    @uninterruptible()
     def close(self) -> None:
         """Release everything: after this the pool owns 0 bytes and created == released (I2). Idempotent."""
         if self.closed:

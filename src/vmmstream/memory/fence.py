@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import deque
 
 from ..driver import GATE, Driver, Stream
+from ..interrupts import uninterruptible
 
 
 class FenceQueue:
@@ -62,6 +63,7 @@ class FenceQueue:
         """Run ``action()`` once no capture is open (from ``collect``); used by finalizers."""
         self._parked.append(([], action))
 
+    @uninterruptible()
     def collect(self) -> int:
         """Run every action whose fence has passed, in order; return how many ran."""
         if GATE.open:
@@ -86,6 +88,7 @@ class FenceQueue:
             self.completed += 1
         return ran
 
+    @uninterruptible()
     def drain(self) -> None:
         """Wait for every fence (refused during a capture), then run the actions."""
         self.collect()
@@ -95,6 +98,7 @@ class FenceQueue:
                 self.driver.event_synchronize(e)
             self.collect()
 
+    @uninterruptible()
     def close(self) -> None:
         self.drain()
         for e in self._spare_events:

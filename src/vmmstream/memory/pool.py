@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..driver import Driver
 from ..errors import DriverError
+from ..interrupts import uninterruptible
 from .authority import Authority, Lease
 from .transaction import Transaction
 
@@ -52,6 +53,7 @@ class PhysicalPool:
     def owned_bytes(self) -> int:
         return sum(h.size for h in self.live.values())
 
+    @uninterruptible()
     def acquire(self, lease: Lease, size: int) -> PhysicalHandle:
         """A handle of exactly ``size`` bytes charged to ``lease``: reused if one is idle, else created."""
         assert size % self.granularity == 0 and size > 0
@@ -74,6 +76,7 @@ class PhysicalPool:
         self.created += 1
         return h
 
+    @uninterruptible()
     def undo_acquire(self, lease: Lease, h: PhysicalHandle, granted_before: int) -> None:
         """Roll an ``acquire`` back exactly: a created handle is released, a reused one goes back idle."""
         if h.fresh:
@@ -87,6 +90,7 @@ class PhysicalPool:
             self.reused -= 1
         self.authority.restore_grant(lease, granted_before)
 
+    @uninterruptible()
     def give_back(self, lease: Lease, h: PhysicalHandle) -> None:
         """The holder is done with ``h`` (already unmapped everywhere): retain it, then trim past the bound.
 
@@ -124,6 +128,7 @@ class PhysicalPool:
         del self.live[h.handle]
         self.released += 1
 
+    @uninterruptible()
     def trim(self, nbytes: int | None = None) -> int:
         """Release idle handles, oldest first, until ``nbytes`` are freed (all by default)."""
         freed = 0
@@ -135,5 +140,6 @@ class PhysicalPool:
             freed += h.size
         return freed
 
+    @uninterruptible()
     def close(self) -> None:
         self.trim()
