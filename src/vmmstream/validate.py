@@ -45,7 +45,10 @@ def real(name: str, value, *, lo: float | None = None, hi: float | None = None, 
     accepted = what or _range_text("a finite number", lo, hi, lo_open)
     if not _is_real(value):
         raise TypeError(f"{name}={value!r}: expected {accepted}, got {type(value).__name__}")
-    v = float(value)
+    try:
+        v = float(value)
+    except OverflowError:                    # an int past float's range
+        raise ValueError(f"{name}={_short(value)}: expected {accepted}") from None
     if not math.isfinite(v) or (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
         raise ValueError(f"{name}={v!r}: expected {accepted}")
     return v

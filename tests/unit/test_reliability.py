@@ -335,3 +335,9 @@ def test_the_cuda_backend_without_a_driver_is_a_typed_error(monkeypatch):
     monkeypatch.setattr(cuda_mod, "cuda_usable", lambda: (False, "libcuda.so.1 not found"))
     with pytest.raises(vmmstream.VmmstreamError, match="libcuda.so.1 not found"):
         open_driver("cuda")
+
+
+def test_a_number_past_float_range_is_a_named_value_error():
+    from vmmstream import validate
+    with pytest.raises(ValueError, match="temperature"):
+        validate.real("temperature", 10 ** 400, lo=0.0)
