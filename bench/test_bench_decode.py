@@ -97,7 +97,7 @@ def test_bench_decode_vmmstream(benchmark, driver, ckpt, ceilings, config):
             load_s = time.perf_counter() - t0
             m.generate(PROMPT, 4)                         # KV committed, every graph captured, caches warm
             before = m.stats()
-            benchmark.pedantic(lambda: m.generate(PROMPT, NEW), rounds=3, iterations=1)
+            benchmark.pedantic(lambda: m.generate(PROMPT, NEW, eos_token_id=[]), rounds=3, iterations=1)
             s = m.stats()
             plan = m.plan
     finally:
@@ -192,7 +192,7 @@ def test_bench_decode_moe_vmmstream(benchmark, driver, moe_ckpt, ceilings, confi
         with vmmstream.load_model(moe_ckpt, memory=mem, max_context=MAX_CONTEXT, progress=False) as m:
             m.generate(PROMPT, 4)
             before = m.stats()
-            benchmark.pedantic(lambda: m.generate(PROMPT, NEW), rounds=3, iterations=1)
+            benchmark.pedantic(lambda: m.generate(PROMPT, NEW, eos_token_id=[]), rounds=3, iterations=1)
             s, plan = m.stats(), m.plan
     finally:
         mem.close()

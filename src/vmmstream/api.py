@@ -17,22 +17,35 @@ so far.
 
 from __future__ import annotations
 
+import collections
 import itertools
+import threading
+import time
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from .budget import format_bytes
+from . import chat as chat_mod
 from . import validate
+from .driver import GATE
+from .interrupts import uninterruptible
 from .errors import Attempts, ContextLengthError, VmmstreamError
 from .execution.engine import Engine
 from .loading import Placement, admit, plan_model, prepare, release_leases
 from .loading import workspace_peaks  # noqa: F401  (re-exported: imported from here by tests and scripts)
+from .text import TokenText, check_stop_strings
 
 _ids = itertools.count(1)
+# Below this a draw is greedy in effect; far below it (< 3e-39) 1 / T overflows the sampling kernel's fp32 scores
+# into NaN and a wrong token. Such a temperature is refused: 0 asks for greedy.
+MIN_TEMPERATURE = 1e-3
 
 
 def load_model(path, budget=None, *, max_context: int | None = None, slots: int | None = None,
                backend: str | None = None, memory=None, progress=None, h2d_gbps: float | None = None,
-               prefill_chunk: int | None = None, quantize: str | None = None) -> "Model":
+               prefill_chunk: int | None = None, quantize: str | None = None) -> Model:
     """Load the checkpoint at ``path`` to run within ``budget`` device bytes.
 
     ``budget``: bytes, ``"6GiB"``, ``"80%"``, ``0.8`` or ``"auto"`` (default: ``VMMSTREAM_BUDGET``, else auto).
@@ -61,7 +74,11 @@ def load_model(path, budget=None, *, max_context: int | None = None, slots: int 
 class Model:
     """A loaded model: its plan, the placement of its bytes, and the engine that runs on them; ``close()`` (or
     leaving the ``with`` block) releases them. Safe to share between threads: the calls of every model on one
-    device memory run one at a time (I12), never interleaved."""
+    device memory run one at a time (I12), never interleaved.
+
+    Generation: ``generate`` (ids or text), ``stream`` (the same, token by token with its text), ``chat``
+    (messages through the checkpoint's chat template), ``render_chat``; ``eos_token_ids`` are the checkpoint's
+    end-of-sequence ids, where decoding stops by default."""
 
     # After a generate call, re-choose the resident experts when routing has drifted (``Engine`` has the policy).
     rebalance_experts_auto = True
@@ -77,11 +94,16 @@ class Model:
         self.backend = self.driver.backend
         self.holder = f"model{next(_ids)}:{self.path.name}"
         self._lock = memory.lock
+        self._engine_free = threading.Condition(self._lock)   # a stream that held the engine ended
+        self._active = None                                    # the _Generation running on the engine
         self.closed = False
         self.engine = None
+        self.eos_token_ids: tuple[int, ...] = ()
         self.placement = Placement(memory, self.holder)         # holds nothing until placed
         with self._lock:
             try:
+                from .model.checkpoint import read_eos_token_ids
+                self.eos_token_ids = read_eos_token_ids(self.path, self.config.vocab_size)
                 self.plan, tmax = plan_model(checkpoint, memory, max_context=max_context, slots=slots,
                                              h2d_gbps=h2d_gbps, prefill_chunk=prefill_chunk, quantize=quantize)
                 admit(memory.authority, self.holder, self.plan)
@@ -89,8 +111,11 @@ class Model:
                 self.placement.place(checkpoint, self.plan, tmax, self.engine.ops, self.engine.C,
                                      progress=progress)
                 self.engine.start(self.placement)
-            except BaseException:
-                self.close()
+            except BaseException as exc:
+                try:
+                    self.close()
+                except BaseException as failed:      # the load's own error is the one to see
+                    exc.add_note(f"and releasing what the load had taken failed too: {failed!r}")
                 raise
 
     @property
@@ -107,50 +132,186 @@ class Model:
 
     # ---------------------------------------------------------------------------------- generation
     def generate(self, prompt, max_new_tokens: int = 32, *, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, eos_token_id=None, return_logits: bool = False):
+                 top_p: float = 1.0, seed: int = 0, eos_token_id=None, stop=None, return_logits: bool = False):
         """Continue ``prompt`` (token ids, or text when the checkpoint has ``tokenizer.json``).
 
         Greedy when ``temperature`` is 0, else a draw from softmax(logits / temperature) restricted by top-k (0:
         no limit) then top-p (in (0, 1]), seeded: the same ``seed`` (an integer in [0, 2**64)) gives the same
-        tokens. Returns the new token ids (or the new text for a text prompt). ``eos_token_id`` (one id or a list
-        of them): decoding stops after the first of them, which is the last token returned. With
-        ``return_logits`` also the fp32 logits of every new token ``[n_new, vocab]``.
+        tokens. Returns the new token ids (or the new text for a text prompt). With ``return_logits`` also the
+        fp32 logits of every new token ``[n_new, vocab]``.
+
+        ``eos_token_id``: decoding stops after the first of these ids, which is the last token returned. None
+        (the default): the checkpoint's end-of-sequence ids (``model.eos_token_ids``: ``generation_config.json``,
+        else ``config.json``); one id or a list of them; ``[]``: none, every ``max_new_tokens`` is decoded.
+        ``stop``: a string or a list of them (needs the tokenizer): decoding stops once the new text contains
+        one; the text returned ends before it. For a token-id prompt the ids returned end with the token that
+        completed the stop string.
 
         Safe to call from several threads: calls on models that share the device's memory run one at a time.
         """
+        req = self._request(prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                            seed=seed, eos_token_id=eos_token_id, stop=stop, return_logits=return_logits,
+                            want_text=isinstance(prompt, str) or bool(stop))
+        g = self._complete(req)
+        result = g.text.text if isinstance(prompt, str) else list(g.run.tokens)
+        return (result, g.run.logits_array()) if return_logits else result
+
+    def _complete(self, req: _Request) -> _Generation:
+        """Run ``req`` to its end with the lock held throughout: the same ``_Generation`` a stream advances, in
+        the engine's blocks (with stop ids or strings: the first token, then ``STOP_CHECK_TOKENS`` replays a
+        read; without: every replay, then one read)."""
+        stops = bool(req.eos or req.stop)
+        block = self.engine.STOP_CHECK_TOKENS if stops else req.max_new_tokens
+        with self._lock:
+            self._take_engine()
+            g = _Generation(self, req)
+            try:
+                if stops:
+                    g.step(0)                       # the prefill's token: it may be a stop already
+                while not g.run.done:
+                    g.step(block)
+            finally:
+                g.close()
+            g.after()
+        return g
+
+    def stream(self, prompt, max_new_tokens: int = 32, **options) -> TokenStream:
+        """``generate`` handed out as it is produced: an iterator of ``Token(id, text, logits)``, one per new
+        token, in order. Same arguments as ``generate``.
+
+        ``text`` is the text the token adds (None when the checkpoint has no tokenizer): it may be "" while the
+        token ends inside a UTF-8 character or inside what may become a stop string, and the held text comes
+        with a later token, so the pieces join to ``tokenizer.decode(tokens)`` (cut before a stop string): the
+        text ``generate`` returns. ``logits`` with ``return_logits``.
+
+        Nothing runs until the first ``next()``: then the prompt is prefilled and its first token handed out;
+        the next tokens come one replay of the decode graph at a time, then (after ``STREAM_FIRST_TOKENS``) in
+        blocks of up to ``engine.STOP_CHECK_TOKENS`` replays sized so that a block takes about
+        ``STREAM_BLOCK_SECONDS``. The model is this stream's until it ends: a call from another thread waits
+        for it, a call from the thread that last advanced it ends it (advancing it again then raises), and
+        ``close()`` (or leaving ``with model.stream(...) as s:``) ends it at once, and so does dropping the last
+        reference to it (or, if the lock is busy then, the next call on the model). The model's lock is held
+        only while a block runs, so models sharing the memory run between the blocks.
+        """
+        req = self._request(prompt, max_new_tokens, want_text=self.tokenizer is not None,
+                            **_options("stream", options))
+        return TokenStream(self, req)
+
+    def chat(self, messages, max_new_tokens: int = 256, *, stream: bool = False, **options):
+        """The assistant's answer to ``messages`` (a list of ``{"role": ..., "content": ...}``): the checkpoint's
+        chat template rendered (``render_chat``) with the generation prompt, encoded without adding special
+        tokens, and generated. Returns the answer's text (with ``return_logits``: and the logits), or with
+        ``stream=True`` a ``TokenStream`` of it (``max_new_tokens`` and the whole conversation must fit
+        ``max_context``: a ``ContextLengthError`` otherwise).
+        ``options`` are ``generate``'s; ``eos_token_id`` defaults to the checkpoint's end-of-sequence ids and
+        the id of ``tokenizer_config.json``'s ``eos_token`` (the template's end of turn)."""
+        stream = validate.boolean("stream", stream)
+        options = _options("chat", options)
+        tok = self._need_tokenizer("chat")
+        ids = tok.encode(self.render_chat(messages), add_special_tokens=False).ids
+        if not ids:
+            raise ValueError("messages: the rendered chat encodes to no tokens")
+        if options.get("eos_token_id") is None:
+            eos = list(self.eos_token_ids)
+            end = chat_mod.special_tokens(self._tokenizer_config()).get("eos_token")
+            end_id = tok.token_to_id(end) if end is not None else None
+            if end_id is not None and end_id not in eos and end_id < self.config.vocab_size:
+                eos.append(end_id)
+            options["eos_token_id"] = eos
+        req = self._request(ids, max_new_tokens, want_text=True, **options)
+        if stream:
+            return TokenStream(self, req)
+        g = self._complete(req)
+        return (g.text.text, g.run.logits_array()) if req.return_logits else g.text.text
+
+    def render_chat(self, messages, *, add_generation_prompt: bool = True, **variables) -> str:
+        """The prompt text of ``messages`` in the checkpoint's chat template (``tokenizer_config.json``'s
+        ``chat_template``, the one named "default" of a list, or ``chat_template.jinja``), rendered as
+        transformers' ``apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`` does.
+        ``ChatTemplateError`` when there is none or it needs what is not given (tools, unknown globals)."""
+        add_generation_prompt = validate.boolean("add_generation_prompt", add_generation_prompt)
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **variables)
+
+    @property
+    def chat_template(self) -> chat_mod.ChatTemplate:
+        """The checkpoint's chat template, compiled (``ChatTemplateError`` when it has none or it cannot be)."""
+        if getattr(self, "_chat_template", None) is None:
+            from .model.checkpoint import read_chat_template
+            source = chat_mod.select_template(read_chat_template(self.path))
+            self._chat_template = chat_mod.ChatTemplate(source, chat_mod.special_tokens(self._tokenizer_config()))
+        return self._chat_template
+
+    def _tokenizer_config(self) -> dict:
+        if getattr(self, "_tok_config", None) is None:
+            from .model.checkpoint import read_tokenizer_config
+            self._tok_config = read_tokenizer_config(self.path)
+        return self._tok_config
+
+    def _need_tokenizer(self, what: str):
+        tok = self.tokenizer
+        if tok is None:
+            raise VmmstreamError(f"{self.path} has no tokenizer.json; {what} needs it")
+        return tok
+
+    def _request(self, prompt, max_new_tokens, *, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+                 eos_token_id=None, stop=None, return_logits=False, want_text=False) -> _Request:
+        """The checked arguments of a generate / stream call (each refused with its name before any work)."""
+        self._check_open()
         v = self.config.vocab_size
         max_new_tokens = validate.integer("max_new_tokens", max_new_tokens, lo=1)
         temperature = validate.real("temperature", temperature, lo=0.0, what="a finite number >= 0 (0: greedy)")
+        if 0 < temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature={temperature!r}: expected 0 (greedy) or at least {MIN_TEMPERATURE}")
         top_k = validate.integer("top_k", top_k, lo=0, what="an integer >= 0 (0: no limit)")
+        if top_k >= v:                           # no limit: one decode graph for every such value
+            top_k = 0
         top_p = validate.real("top_p", top_p, lo=0.0, hi=1.0, lo_open=True)
         seed = validate.integer("seed", seed, lo=0, hi=2**64 - 1)
-        stop = validate.token_id_set("eos_token_id", eos_token_id, v)
+        if eos_token_id is None:
+            eos = frozenset(self.eos_token_ids)
+        elif _is_empty_sequence(eos_token_id):
+            eos = frozenset()
+        else:
+            eos = validate.token_id_set("eos_token_id", eos_token_id, v)
+        stops = check_stop_strings(stop)
         return_logits = validate.boolean("return_logits", return_logits)
-        text = isinstance(prompt, str)
-        with self._lock:
+        if isinstance(prompt, str):
+            tok = self.tokenizer
+            if tok is None:
+                raise VmmstreamError(f"{self.path} has no tokenizer.json; pass token ids instead of text")
+            ids = tok.encode(prompt).ids
+            if not ids:
+                raise ValueError("prompt: the text encodes to no tokens; give a longer prompt")
+            ids = validate.token_ids("prompt (as the tokenizer encoded it)", ids, v)
+        else:
+            ids = validate.token_ids("prompt", prompt, v)
+        if stops and self.tokenizer is None:
+            raise VmmstreamError(f"{self.path} has no tokenizer.json; stop strings need it to read the new tokens "
+                                 "as text (pass eos_token_id for stop ids)")
+        n, m, mc = len(ids), max_new_tokens, self.plan.max_context
+        if n + m > mc:
+            raise ContextLengthError(
+                f"prompt of {n} tokens + max_new_tokens {m} = {n + m} positions exceeds max_context {mc}, the "
+                "KV cache this model was loaded with; load it with a larger max_context or ask for fewer "
+                "tokens", requested=n + m, max_context=mc)
+        sampling = None if temperature == 0 else (temperature, top_k, top_p)
+        return _Request(ids, m, sampling, seed, eos, stops, return_logits, want_text or bool(stops))
+
+    def _take_engine(self) -> None:
+        """With the lock held: make the engine free for a new generation. A stream that holds it is ended when
+        it is gone (garbage) or was last advanced by this thread (which cannot wait for itself); one that another
+        thread is consuming is waited for (the lock is let go meanwhile)."""
+        while True:
             self._check_open()
-            if text:
-                tok = self.tokenizer
-                if tok is None:
-                    raise VmmstreamError(f"{self.path} has no tokenizer.json; pass token ids instead of text")
-                ids = tok.encode(prompt).ids
-                if not ids:
-                    raise ValueError("prompt: the text encodes to no tokens; give a longer prompt")
-            else:
-                ids = validate.token_ids("prompt", prompt, v)
-            n, m, mc = len(ids), max_new_tokens, self.plan.max_context
-            if n + m > mc:
-                raise ContextLengthError(
-                    f"prompt of {n} tokens + max_new_tokens {m} = {n + m} positions exceeds max_context {mc}, the "
-                    "KV cache this model was loaded with; load it with a larger max_context or ask for fewer "
-                    "tokens", requested=n + m, max_context=mc)
-            sampling = None if temperature == 0 else (temperature, top_k, top_p)
-            out, logits = self.engine.run(ids, m, sampling=sampling, seed=seed, return_logits=return_logits,
-                                          stop=stop)
-            result = self.tokenizer.decode(out) if text else out
-            if self.rebalance_experts_auto:
-                self.engine.rebalance_experts()
-        return (result, logits) if return_logits else result
+            g = self._active
+            if g is None:
+                return
+            owner = g.owner() if g.owner is not None else None
+            if owner is None or g.thread == threading.get_ident():
+                g.end("another call on the model from the same thread took the engine" if owner is not None
+                      else "the stream was dropped")
+                continue
+            self._engine_free.wait(0.05)
 
     def rebalance_experts(self, *, force: bool = False) -> int:
         """Re-choose the resident experts from the routing counts so far (prefill and decode); returns the
@@ -252,12 +413,15 @@ class Model:
         if self.closed:
             raise VmmstreamError("the model is closed")
 
+    @uninterruptible()
     def close(self) -> None:
         """Release everything the model holds (fenced: after its queued work); the process's shared memory
-        closes with the last model on it. Idempotent."""
+        closes with the last model on it. Idempotent. A Ctrl-C meanwhile is raised once all is released."""
         with self._lock:
             if self.closed:
                 return
+            if getattr(self, "_active", None) is not None:
+                self._active.end("the model was closed")
             self.closed = True
             mem = self.memory
             attempt = Attempts()
@@ -281,8 +445,237 @@ class Model:
         return False
 
     def __del__(self):  # a backstop only: close() is the way
+        # Never wait here (a collection can run on any thread, in the middle of another call), and never
+        # release during a capture: then the memory's own close takes what is left.
+        lock = getattr(self, "_lock", None)
+        if getattr(self, "closed", True) or lock is None or GATE.open or not lock.acquire(blocking=False):
+            return
         try:
-            if not getattr(self, "closed", True):
-                self.close()
+            self.close()
+        except BaseException:
+            pass
+        finally:
+            lock.release()
+
+
+def _is_empty_sequence(value) -> bool:
+    try:
+        return not isinstance(value, (str, bytes)) and len(value) == 0
+    except TypeError:
+        return False
+
+
+_OPTIONS = ("temperature", "top_k", "top_p", "seed", "eos_token_id", "stop", "return_logits")
+
+
+def _options(what: str, options: dict) -> dict:
+    wrong = sorted(set(options) - set(_OPTIONS))
+    if wrong:
+        raise TypeError(f"{what}() got unexpected keyword argument(s) {', '.join(wrong)}; its options are "
+                        f"{', '.join(_OPTIONS)}")
+    return dict(options)
+
+
+@dataclass(frozen=True)
+class _Request:
+    ids: list
+    max_new_tokens: int
+    sampling: tuple | None
+    seed: int
+    eos: frozenset
+    stop: tuple
+    return_logits: bool
+    want_text: bool
+
+
+class Token(NamedTuple):
+    """One new token of a stream: its ``id``; ``text``, the text it adds to the answer ("" while a character or
+    a possible stop string is incomplete; None without a tokenizer); its fp32 ``logits`` with return_logits."""
+    id: int
+    text: str | None
+    logits: Any = None
+
+
+class _Generation:
+    """One request on the engine: its ``Run`` (blocks of decode replays) and the text of its tokens. Every
+    method runs with the model's lock held; while it lives it is the model's ``_active`` generation."""
+
+    def __init__(self, model, req: _Request, owner=None):
+        self.model, self.req = model, req
+        self.owner = weakref.ref(owner) if owner is not None else None
+        self.thread = threading.get_ident()
+        self.ended: str | None = None          # why it was ended before its last token
+        self.text = TokenText(model.tokenizer, req.stop) if req.want_text else None
+        self.handed = 0
+        self.run = model.engine.begin(req.ids, req.max_new_tokens, sampling=req.sampling, seed=req.seed,
+                                      return_logits=req.return_logits, stop=req.eos)
+        model._active = self
+
+    @property
+    def finish_reason(self) -> str | None:
+        if not self.run.done:
+            return None
+        if self.ended is not None:
+            return "cancelled"
+        if self.text is not None and self.text.stopped:
+            return "stop"
+        if self.run.tokens and self.run.tokens[-1] in self.req.eos:
+            return "stop"
+        return "length"
+
+    def step(self, replays: int) -> list:
+        """Advance the run by up to ``replays`` replays: the new ``Token``s (all of them when it ends)."""
+        try:
+            new = self.run.advance(replays)
+            if self.text is not None:
+                pairs = self.text.feed(new, last=self.run.done)
+                if self.text.stopped:
+                    self.run.truncate(len(self.text.tokens))
+            else:
+                pairs = [(t, None) for t in new]
+        except BaseException:
+            self.close()
+            raise
+        lg = self.run.logits
+        out = [Token(t, piece, lg[self.handed + i] if self.req.return_logits else None)
+               for i, (t, piece) in enumerate(pairs)]
+        self.handed += len(out)
+        if self.run.done:
+            self.close()
+        return out
+
+    def close(self) -> None:
+        """Count the run and give the engine back (idempotent)."""
+        self.run.finish()
+        if self.model._active is self:
+            self.model._active = None
+            self.model._engine_free.notify_all()
+
+    def after(self) -> None:
+        """After a run that ended by itself: re-choose the resident experts if routing drifted."""
+        if not self.run.failed and self.ended is None and self.model.rebalance_experts_auto:
+            self.model.engine.rebalance_experts()
+
+    def end(self, reason: str) -> None:
+        """End it from outside (its stream was closed or dropped, another call took the engine, the model
+        closed): no driver call, the blocks already ran to their end."""
+        if not self.run.finished:
+            self.ended = reason
+        self.close()
+
+
+class TokenStream:
+    """The tokens of one request as they are produced (``Model.stream``, ``Model.chat(stream=True)``): iterate
+    for ``Token(id, text, logits)``; afterwards ``tokens``, ``text`` (the answer; None without a tokenizer)
+    and ``finish_reason`` ("stop": an end-of-sequence id or a stop string, "length": max_new_tokens, or
+    "cancelled"). ``close()`` ends it early and gives the model back; so does leaving its ``with`` block or
+    dropping it. Advancing a stream that another call ended raises ``VmmstreamError``."""
+
+    # After the first token, this many tokens are handed out one replay at a time (the first words show at
+    # once); then blocks of up to the engine's STOP_CHECK_TOKENS replays, sized to about STREAM_BLOCK_SECONDS
+    # of decoding: a read (a synchronize) per block, not per token, while text still arrives 20 times a second.
+    STREAM_FIRST_TOKENS = 4
+    STREAM_BLOCK_SECONDS = 0.05
+
+    def __init__(self, model, req: _Request):
+        self._model, self._req = model, req
+        self._gen: _Generation | None = None
+        self._queue: collections.deque = collections.deque()
+        self._done = False
+        self._per_token: float | None = None
+        self.finish_reason: str | None = None
+
+    @property
+    def tokens(self) -> list:
+        return list(self._gen.run.tokens) if self._gen is not None else []
+
+    @property
+    def text(self) -> str | None:
+        if self._gen is None:
+            return "" if self._req.want_text else None
+        return self._gen.text.text if self._gen.text is not None else None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Token:
+        while not self._queue:
+            if self._done:
+                raise StopIteration
+            self._pull()
+        return self._queue.popleft()
+
+    def _block(self) -> int:
+        if len(self._gen.run.tokens) <= self.STREAM_FIRST_TOKENS or not self._per_token:
+            return 1
+        cap = self._model.engine.STOP_CHECK_TOKENS
+        return max(1, min(cap, int(self.STREAM_BLOCK_SECONDS / self._per_token)))
+
+    def _pull(self) -> None:
+        m = self._model
+        with m._lock:
+            g = self._gen
+            if g is None:
+                try:
+                    m._take_engine()
+                    g = self._gen = _Generation(m, self._req, owner=self)
+                except BaseException:
+                    self._done = True          # as a generator that raised: it is over
+                    raise
+                replays = 0
+            else:
+                if g.ended is not None:
+                    self._done = True
+                    self.finish_reason = "cancelled"
+                    raise VmmstreamError(f"this stream was ended before its last token: {g.ended}")
+                g.thread = threading.get_ident()
+                replays = self._block()
+            t0 = time.perf_counter()
+            try:
+                out = g.step(replays)
+            except BaseException:
+                self._done = True
+                raise
+            if replays:
+                self._per_token = (time.perf_counter() - t0) / replays
+            if g.run.done:
+                self._done = True
+                self.finish_reason = g.finish_reason
+                g.after()
+        self._queue.extend(out)
+
+    def close(self) -> None:
+        """End the stream now (its tokens so far stay in ``tokens`` / ``text``) and give the model back."""
+        m = self._model
+        with m._lock:
+            self._end("the stream was closed")
+
+    def _end(self, reason: str) -> None:
+        self._queue.clear()
+        if not self._done:
+            self._done = True
+            self.finish_reason = "cancelled" if self._gen is not None else None
+        if self._gen is not None:
+            self._gen.end(reason)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        # Dropped unfinished: give the model back now if its lock is free (never wait in a finalizer); else the
+        # next call on the model finds the stream gone and ends it (Model._take_engine).
+        try:
+            g = getattr(self, "_gen", None)
+            if g is not None and not g.run.finished:
+                lock = self._model._lock
+                if lock.acquire(blocking=False):
+                    try:
+                        g.end("the stream was dropped")
+                    finally:
+                        lock.release()
         except Exception:
             pass

@@ -1,4 +1,4 @@
-"""``vmmstream generate`` and ``vmmstream demo``: load a checkpoint under a budget and generate."""
+"""``vmmstream generate``, ``vmmstream chat`` and ``vmmstream demo``: load a checkpoint under a budget and generate."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from .cli_model import _budget, _non_negative, _positive, _slots
 
 
 def add_subcommands(subparsers) -> None:
-    """Register ``generate`` and ``demo`` on the ``vmmstream`` parser's subparsers."""
+    """Register ``generate``, ``chat`` and ``demo`` on the ``vmmstream`` parser's subparsers."""
     gen = subparsers.add_parser(
         "generate", help="load a checkpoint under a budget and continue a prompt",
         description="Load MODEL (a Hugging Face checkpoint directory) within the device memory budget, keeping "
@@ -35,11 +35,37 @@ def add_subcommands(subparsers) -> None:
     gen.add_argument("--top-k", type=_non_negative, default=0, help="0 = no limit (default)")
     gen.add_argument("--top-p", type=_top_p, default=1.0, help="in (0, 1]; 1 = no limit (default)")
     gen.add_argument("--seed", type=_non_negative, default=0)
+    _add_stops(gen)
     gen.add_argument("--backend", default=None, choices=("cuda", "host", "auto"))
     gen.add_argument("--plan", action="store_true", help="print the plan before generating")
     gen.add_argument("--stats", action="store_true", help="print the counters after generating")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(fn=_generate)
+
+    chat = subparsers.add_parser(
+        "chat", help="an interactive chat in the terminal with a checkpoint loaded under a budget",
+        description="Load MODEL within the device memory budget and chat: each line read from stdin is a user "
+                    "message; the answer (the checkpoint's chat template, greedy by default, until its end of "
+                    "turn) streams to stdout as it is produced and tokens/s go to stderr. The conversation is "
+                    "kept; /reset starts over; /exit or end of input (Ctrl-D) quits. Ctrl-C stops an answer.")
+    chat.add_argument("model", metavar="MODEL")
+    chat.add_argument("--budget", type=_budget, default=None,
+                      help="device memory budget, e.g. 2GiB (default: VMMSTREAM_BUDGET, else auto = 0.9 x free)")
+    chat.add_argument("--system", default=None, help="a system message to start the conversation with")
+    chat.add_argument("--max-new-tokens", type=_positive, default=512, help="most tokens an answer may have")
+    chat.add_argument("--max-context", type=_positive, default=None,
+                      help="positions the KV cache holds, the whole conversation included "
+                           "(default: min(4096, max_position_embeddings))")
+    chat.add_argument("--slots", type=_slots, default=None, help="streaming slots K >= 2 (default 2)")
+    chat.add_argument("--quantize", default=None, choices=("int4", "mxfp4"),
+                      help="store the layers' linear weights quantized (quantized while loading)")
+    chat.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default)")
+    chat.add_argument("--top-k", type=_non_negative, default=0, help="0 = no limit (default)")
+    chat.add_argument("--top-p", type=_top_p, default=1.0, help="in (0, 1]; 1 = no limit (default)")
+    chat.add_argument("--seed", type=_non_negative, default=0)
+    _add_stops(chat)
+    chat.add_argument("--backend", default=None, choices=("cuda", "host", "auto"))
+    chat.set_defaults(fn=_chat)
 
     demo = subparsers.add_parser(
         "demo", help="make a small checkpoint, load it under a budget below its size, generate, print plan and stats",
@@ -69,19 +95,102 @@ def _generate(args) -> int:
         prompt = args.prompt if args.prompt is not None else args.ids
         if args.prompt is not None and model.tokenizer is None:
             raise VmmstreamError(f"{args.model} has no tokenizer.json; pass --ids instead of --prompt")
+        options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                       stop=args.stop or None, eos_token_id=[] if args.ignore_eos else None)
         t1 = time.perf_counter()
-        out = model.generate(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                             top_p=args.top_p, seed=args.seed)
+        if args.json or args.prompt is None:
+            out = model.generate(prompt, args.max_new_tokens, **options)
+        else:                           # text: written as it is produced
+            with model.stream(prompt, args.max_new_tokens, **options) as s:
+                for tok in s:
+                    _write(tok.text)
+            _write("\n")
+            out = s.text
         gen_s = time.perf_counter() - t1
         stats = model.stats()
         if args.json:
             print(json.dumps({"output": out, "load_s": load_s, "generate_s": gen_s, "plan": model.plan.to_dict(),
                               "stats": stats}, indent=2, default=str))
             return 0
-        print(out if isinstance(out, str) else ",".join(map(str, out)))
+        if args.prompt is None:
+            print(",".join(map(str, out)))
         if args.stats:
             _print_stats(stats, gen_s)
     return 0
+
+
+def _chat(args) -> int:
+    from .api import load_model
+    from .errors import ContextLengthError, VmmstreamError
+    interactive = sys.stdin.isatty()
+    with load_model(args.model, args.budget, max_context=args.max_context, slots=args.slots,
+                    backend=args.backend, quantize=args.quantize) as model:
+        if model.tokenizer is None:
+            raise VmmstreamError(f"{args.model} has no tokenizer.json; chat needs it")
+        _ = model.chat_template             # no template, or one that does not compile: an error before the loop
+        start = [{"role": "system", "content": args.system}] if args.system else []
+        messages = list(start)
+        options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                       stop=args.stop or None, eos_token_id=[] if args.ignore_eos else None)
+        if interactive:
+            print(f"vmmstream chat: {model.path.name} ({model.plan.strategy}, {model.backend}); /reset starts over, "
+                  "/exit or Ctrl-D quits, Ctrl-C stops an answer", file=sys.stderr)
+        while True:
+            if interactive:
+                print("> ", end="", file=sys.stderr, flush=True)
+            try:
+                line = sys.stdin.readline()
+            except KeyboardInterrupt:       # at the prompt: leave
+                print(file=sys.stderr)
+                return 0
+            if not line:                    # end of input
+                if interactive:
+                    print(file=sys.stderr)
+                return 0
+            line = line.rstrip("\r\n")
+            if line.strip() in ("/exit", "/quit"):
+                return 0
+            if line.strip() == "/reset":
+                messages = list(start)
+                continue
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line})
+            t0 = time.perf_counter()
+            try:
+                s = model.chat(messages, args.max_new_tokens, stream=True, **options)
+                n = 0
+                try:
+                    for tok in s:
+                        n += 1
+                        _write(tok.text)
+                except KeyboardInterrupt:   # stop this answer, keep the conversation
+                    _write(" [stopped]")
+                finally:
+                    s.close()
+            except ContextLengthError as exc:
+                messages.pop()
+                print(f"vmmstream: {exc}; /reset starts a new conversation", file=sys.stderr)
+                continue
+            dt = time.perf_counter() - t0
+            _write("\n")
+            messages.append({"role": "assistant", "content": s.text})
+            print(f"[{n} tokens in {dt:.2f} s, {n / dt if dt > 0 else 0.0:.1f} tokens/s"
+                  f"{'' if s.finish_reason != 'length' else '; max-new-tokens reached'}]", file=sys.stderr,
+                  flush=True)
+
+
+def _write(text) -> None:
+    if text:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+def _add_stops(p) -> None:
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when the text contains TEXT (not printed); repeatable")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="decode all of --max-new-tokens, past the checkpoint's end-of-sequence ids")
 
 
 def _demo(args) -> int:
@@ -112,7 +221,7 @@ def _demo(args) -> int:
         with load_model(tmp, budget, max_context=max_context, backend=backend) as model:
             prompt = [1, 2, 3, 4]
             t0 = time.perf_counter()
-            ids = model.generate(prompt, args.max_new_tokens)
+            ids = model.generate(prompt, args.max_new_tokens, eos_token_id=[])    # random weights: all of them
             gen_s = time.perf_counter() - t0
             stats = model.stats()
             if args.json:

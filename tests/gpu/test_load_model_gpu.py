@@ -61,7 +61,7 @@ def _run(driver, path, budget, new=NEW, quantize=None, **kw):
     mem = memory(driver, budget)
     try:
         with vmmstream.load_model(path, memory=mem, max_context=MC, quantize=quantize) as m:
-            out = m.generate(PROMPT, new, return_logits=True, **kw)
+            out = m.generate(PROMPT, new, return_logits=True, eos_token_id=[], **kw)
             return out, m.plan, m.stats()
     finally:
         mem.close()
@@ -170,9 +170,9 @@ def test_counters_on_cuda(driver, small):
     try:
         with vmmstream.load_model(small, memory=mem, max_context=MC) as m:
             vmm0 = driver.vmm_call_count()
-            m.generate(PROMPT, 24)
+            m.generate(PROMPT, 24, eos_token_id=[])     # all 24, in one block: counted below
             vmm_gen = driver.vmm_call_count() - vmm0
-            m.generate(PROMPT, 24)                     # the KV cache is already committed: no VMM call at all
+            m.generate(PROMPT, 24, eos_token_id=[])    # the KV cache is already committed: no VMM call at all
             s = m.stats()
             assert driver.vmm_call_count() - vmm0 == vmm_gen
             assert s["graph_replays"] == s["decode_tokens"] == 46 and s["graph_captures"] == 1
@@ -220,6 +220,6 @@ def test_max_context_exhaustion_on_cuda_is_an_error_not_a_crash(driver, small):
         with vmmstream.load_model(small, memory=mem, max_context=MC) as m:
             with pytest.raises(ContextLengthError):
                 m.generate(PROMPT, MC)
-            assert len(m.generate(PROMPT, MC - len(PROMPT))) == MC - len(PROMPT)
+            assert len(m.generate(PROMPT, MC - len(PROMPT), eos_token_id=[])) == MC - len(PROMPT)
     finally:
         mem.close()

@@ -64,7 +64,7 @@ def run(path, budget_fn, cuda_ops, monkeypatch, **load):
     mem = DeviceMemory(HostDriver(granularity=G, total_bytes=1 << 30), budget_fn(path))
     try:
         with vmmstream.load_model(path, memory=mem, max_context=MC, **load) as m:
-            tokens, logits = m.generate(PROMPT, NEW, return_logits=True)
+            tokens, logits = m.generate(PROMPT, NEW, return_logits=True, eos_token_id=[])
             return tokens, logits, m.plan, m.stats()
     finally:
         mem.close()

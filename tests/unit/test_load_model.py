@@ -175,10 +175,10 @@ def test_sampling_is_seeded_and_replayed_from_its_own_graph(tiny):
     mem = memory(64 << 20)
     try:
         with vmmstream.load_model(tiny, memory=mem, max_context=MC) as m:
-            a = m.generate(PROMPT, 12, temperature=0.8, top_k=20, seed=5)
-            b = m.generate(PROMPT, 12, temperature=0.8, top_k=20, seed=5)
-            c = m.generate(PROMPT, 12, temperature=0.8, top_k=20, seed=6)
-            greedy = m.generate(PROMPT, 12)
+            a = m.generate(PROMPT, 12, temperature=0.8, top_k=20, seed=5, eos_token_id=[])   # all 12: counted below
+            b = m.generate(PROMPT, 12, temperature=0.8, top_k=20, seed=5, eos_token_id=[])
+            c = m.generate(PROMPT, 12, temperature=0.8, top_k=20, seed=6, eos_token_id=[])
+            greedy = m.generate(PROMPT, 12, eos_token_id=[])
             assert a == b and a != c and all(0 <= t < 256 for t in a)
             s = m.stats()
             assert s["graph_captures"] == 2 and s["graph_replays"] == s["decode_tokens"] == 44

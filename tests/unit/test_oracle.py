@@ -65,7 +65,7 @@ def _run(path, budget):
     mem = DeviceMemory(HostDriver(granularity=G, total_bytes=1 << 30), budget)
     try:
         with vmmstream.load_model(path, memory=mem, max_context=MAX_CONTEXT) as model:
-            tokens, logits = model.generate(PROMPT, NEW, return_logits=True)
+            tokens, logits = model.generate(PROMPT, NEW, return_logits=True, eos_token_id=[])
             return model.plan.strategy, tokens, logits
     finally:
         mem.close()

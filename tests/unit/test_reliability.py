@@ -96,6 +96,7 @@ BAD_GENERATE = [
     (dict(temperature=float("inf")), ValueError, "temperature"),
     (dict(temperature=-0.5), ValueError, "temperature"),
     (dict(temperature="0.7"), TypeError, "temperature"),
+    (dict(temperature=1e-40), ValueError, "temperature"),
     (dict(temperature=0.7, top_p=0.0), ValueError, "top_p"),
     (dict(temperature=0.7, top_p=-1.0), ValueError, "top_p"),
     (dict(temperature=0.7, top_p=1.5), ValueError, "top_p"),
@@ -341,3 +342,15 @@ def test_a_number_past_float_range_is_a_named_value_error():
     from vmmstream import validate
     with pytest.raises(ValueError, match="temperature"):
         validate.real("temperature", 10 ** 400, lo=0.0)
+
+
+def test_top_k_at_or_past_the_vocabulary_is_no_limit(tiny):
+    """One decode graph serves every top_k that limits nothing, and the tokens are those of top_k 0."""
+    mem = memory(fits(tiny))
+    with vmmstream.load_model(tiny, memory=mem, max_context=MC) as m:
+        v = m.config.vocab_size
+        want = m.generate(PROMPTS[0], 8, temperature=0.8, seed=1, top_k=0, eos_token_id=[])
+        for k in (v, v + 1, 10 ** 6):
+            assert m.generate(PROMPTS[0], 8, temperature=0.8, seed=1, top_k=k, eos_token_id=[]) == want
+        assert m.stats()["graph_captures"] == 2          # greedy (warm-up) and one sampling graph
+    mem.close()

@@ -16,6 +16,7 @@ Lifecycle (``vmmstream.api.Model`` follows it):
     ...place the model with engine.ops and engine.C...
     engine.start(placement)                          # staging, streamer, step, constants, warm-up, decode graph
     tokens, logits = engine.run(ids, 16)
+    run = engine.begin(ids, 16, stop={2})            # the same, handed out in blocks: run.advance(k), run.finish()
     engine.stop()                                    # drained; graphs, streamer, timing events gone
     ...free the placement...
     engine.close()                                   # streams, staging
@@ -32,6 +33,7 @@ import numpy as np
 from ..align import align_up
 from ..driver import GATE
 from ..errors import Attempts, DriverError
+from ..interrupts import uninterruptible
 from .graph import DecodeGraph
 from .ops import make_ops
 from .step import Step
@@ -41,9 +43,9 @@ from .weights import Streamer
 class Engine:
     """Enqueues prefill and decode for one placed model and owns the streams, graphs and counters that this takes.
 
-    Public surface: ``run``, ``graph``, ``rebalance_experts``, ``synchronize``, ``stop``, ``close``; ``counters``
-    (since construction), ``graphs`` (sampling key -> ``DecodeGraph``), and ``ops``, ``S``, ``C``, ``streamer``,
-    ``step`` for the owner and tests.
+    Public surface: ``run``, ``begin`` (the same handed out in blocks: a ``Run``), ``graph``, ``rebalance_experts``,
+    ``synchronize``, ``stop``, ``close``; ``counters`` (since construction), ``graphs`` (sampling key ->
+    ``DecodeGraph``), and ``ops``, ``S``, ``C``, ``streamer``, ``step`` for the owner and tests.
     """
 
     # Routing drifts: the resident experts are re-chosen by routing counts when that raises the share of
@@ -55,7 +57,6 @@ class Engine:
         self.memory, self.driver, self.holder = memory, memory.driver, holder
         self.config, self.plan = config, plan
         self.graphs: dict = {}
-        self._unfreed: list = []       # step workspace whose free failed; retried before the next use
         self.counters = dict(prefill_tokens=0, decode_tokens=0, generate_calls=0, eager_steps=0,
                              page_ins=0, page_in_bytes=0, h2d_ms=0.0, h2d_timed_bytes=0, decode_ms=0.0,
                              decode_timed_tokens=0, vmm_calls_decode=0, graph_captures=0, graph_replays=0)
@@ -70,10 +71,11 @@ class Engine:
         self._copies_per_replay = 0
         try:
             self.ops = make_ops(self.driver)
-            self.S = self.driver.stream_create("compute")
-            self._streams.append(self.S)
-            self.C = self.driver.stream_create("copy")
-            self._streams.append(self.C)
+            with uninterruptible():        # each stream made and kept together, so close() destroys it
+                self.S = self.driver.stream_create("compute")
+                self._streams.append(self.S)
+                self.C = self.driver.stream_create("copy")
+                self._streams.append(self.C)
             for s in self._streams:
                 memory.track_stream(s)
         except BaseException:
@@ -92,7 +94,8 @@ class Engine:
                         ("inv_freq", 2 * c.head_dim), ("tokens", 4 * plan.max_context), ("logits", 4 * c.vocab_size)):
             lay[name] = off
             off = align_up(off + n, 256)
-        self._staging = d.host_alloc(off)
+        with uninterruptible():            # allocated and kept together, so close() frees it
+            self._staging = d.host_alloc(off)
         self._lay = lay
         self.streamer = Streamer(d, self.S, self.C, self.weights.streamed, plan.slot_count)
         self.step = Step(self.ops, self.S, self.weights, self.kv, self.acts, self.streamer, c, self.ws_session)
@@ -124,56 +127,28 @@ class Engine:
         ``sampling``: None (greedy) or ``(temperature, top_k, top_p)``, which is also the key of its decode graph
         (captured on first use). The caller has checked the request: ``ids`` non-empty and inside the
         vocabulary, ``max_new_tokens`` >= 1, ``len(ids) + max_new_tokens`` <= ``plan.max_context``.
+
+        ``begin`` is the same work handed out in blocks (streaming); this is it run to the end: with stop ids,
+        the first token, then blocks of ``STOP_CHECK_TOKENS``; without, every replay in one block.
         """
-        d, cnt = self.driver, self.counters
-        n, m = len(ids), max_new_tokens
-        self.kv.ensure(n + m)                                # the only VMM calls of a run
-        if sampling is not None:
-            from vmmstream.kernels.ops.sampling import make_rng_state
-            self._h2d(self.acts.addr("rng"), "rng", make_rng_state(seed))
-        logits = []
-        self._prefill(ids, sampling)
-        if return_logits:
-            logits.append(self._read_logits())
-        graph = self.graph(sampling)
-        vmm0 = d.vmm_call_count()
-        t0, t1 = self._timing_events()
-        d.event_record(t0, self.S)
-        made = 1                                             # tokens produced so far (prefill made the first)
-        block = self.STOP_CHECK_TOKENS if stop else m
-        tokens = None
-        while made < m:
-            if stop and made == 1 and self._read_tokens(n, 1)[0] in stop:
-                break
-            for _ in range(min(block, m - made)):
-                graph.replay()
-                made += 1
-                if return_logits:
-                    logits.append(self._read_logits())
+        r = self.begin(ids, max_new_tokens, sampling=sampling, seed=seed, return_logits=return_logits, stop=stop)
+        try:
             if stop:
-                tokens = self._read_tokens(n, made)
-                if any(t in stop for t in tokens):
-                    break
-        d.event_record(t1, self.S)
-        d.stream_synchronize(self.S)
-        replays = made - 1
-        if tokens is None or len(tokens) != made:
-            tokens = self._read_tokens(n, made)
-        if stop:
-            cut = next((i for i, t in enumerate(tokens) if t in stop), None)
-            if cut is not None:
-                tokens = tokens[:cut + 1]
-                logits = logits[:cut + 1]
-        cnt["vmm_calls_decode"] += d.vmm_call_count() - vmm0
-        cnt["decode_tokens"] += len(tokens) - 1              # tokens returned; replays past a stop are not
-        cnt["graph_replays"] += replays
-        cnt["generate_calls"] += 1
-        if replays:
-            cnt["decode_ms"] += d.event_elapsed_ms(t0, t1)
-            cnt["decode_timed_tokens"] += replays            # the device rate counts every replay it timed
-        cnt["page_ins"] += replays * self._copies_per_replay
-        cnt["page_in_bytes"] += replays * (self.weights.streamed_payload if self._copies_per_replay else 0)
-        return tokens, (np.stack(logits) if return_logits else None)
+                r.advance(0)
+                while not r.done:
+                    r.advance(self.STOP_CHECK_TOKENS)
+            else:
+                r.advance(max_new_tokens - 1)
+        finally:
+            r.finish()
+        return r.tokens, r.logits_array()
+
+    def begin(self, ids, max_new_tokens: int, *, sampling=None, seed: int = 0, return_logits: bool = False,
+              stop=frozenset()) -> Run:
+        """Commit the KV cache, prefill ``ids`` (which selects the first new token) and return the ``Run`` that
+        decodes the rest in blocks of its owner's choosing (``Run.advance``). Same arguments as ``run``; the
+        engine runs nothing else until the run is ``finish``ed."""
+        return Run(self, ids, max_new_tokens, sampling=sampling, seed=seed, return_logits=return_logits, stop=stop)
 
     def graph(self, sampling) -> DecodeGraph:
         """The decode graph for ``sampling`` (None: greedy), captured on first use."""
@@ -243,18 +218,23 @@ class Engine:
 
     def _timing_events(self):
         if self._tev is None:
-            self._tev = (self.driver.event_create(True), self.driver.event_create(True))
+            with uninterruptible():
+                self._tev = (self.driver.event_create(True), self.driver.event_create(True))
         return self._tev
 
     def _prefill(self, ids, sampling) -> None:
         """Eager prefill in chunks of the activation buffers' size; the last chunk selects the first new token."""
         plan, n = self.plan, len(ids)
         tmax = self.acts.tmax
-        self._free_unfreed()
+        self._free_leftover_workspace()
         ws_step, ws_view = None, None
         if plan.workspace["step"]:
-            ws_step = self.memory.allocate(plan.workspace["step"], role="workspace_step", holder=self.holder,
-                                           arena="workspace")
+            try:
+                ws_step = self.memory.allocate(plan.workspace["step"], role="workspace_step", holder=self.holder,
+                                               arena="workspace")
+            except KeyboardInterrupt:      # raised as the allocation ended: it exists, but was never kept here
+                self._free_leftover_workspace()
+                raise
         try:
             if ws_step is not None:
                 ws_view = self.ops.view(ws_step.va, (plan.workspace["step"],), np.uint8)
@@ -276,28 +256,16 @@ class Engine:
                 self.counters["prefill_tokens"] += t
         finally:
             if ws_step is not None:       # step workspace lives for the step only (I8), even on an exception
-                self._free_surely(ws_step)  # fenced: unmapped once the queued prefill work is done
+                try:                       # fenced: unmapped once the queued prefill work is done
+                    self.memory.free(ws_step)
+                except DriverError:        # the failed free rolled back (I3): once more, else swept next call
+                    self.memory.free(ws_step)
 
-    def _free_surely(self, block) -> None:
-        """Free ``block`` even when a Ctrl-C or a driver failure lands inside the free (which then rolls back, I3):
-        it is tried again, the interrupt or error raised once it is done. A block that still cannot be freed is
-        kept and freed at the next call or at ``stop()``, never forgotten while it is charged."""
-        first = None
-        for _ in range(3):
-            try:
-                self.memory.free(block)
-                break
-            except (KeyboardInterrupt, DriverError) as exc:
-                first = first or exc
-        else:
-            self._unfreed.append(block)
-        if first is not None:
-            raise first
-
-    def _free_unfreed(self) -> None:
-        while self._unfreed:
-            self.memory.free(self._unfreed[0])
-            self._unfreed.pop(0)
+    def _free_leftover_workspace(self) -> None:
+        """Step workspace still charged to this model between calls: a free that failed, or an allocation that
+        completed while a Ctrl-C waited and whose caller never kept it. None may outlive its step (I8)."""
+        for b in [b for b in self.memory.blocks if b.lease.holder == self.holder and b.lease.role == "workspace_step"]:
+            self.memory.free(b)
 
     def _read_logits(self) -> np.ndarray:
         v = self.config.vocab_size
@@ -313,6 +281,7 @@ class Engine:
         return [int(x) for x in h]
 
     # ------------------------------------------------------------------------------------ teardown
+    @uninterruptible()
     def stop(self) -> None:
         """Wait for the queued work, then drop what enqueues more: graphs, streamer, timing events. The streams
         stay until ``close()``. Idempotent; every step is attempted, the first failure raised at the end."""
@@ -326,7 +295,7 @@ class Engine:
             for s in self._streams:
                 attempt(d.stream_synchronize, s)
         if not mem.closed:
-            attempt(self._free_unfreed)
+            attempt(self._free_leftover_workspace)
         for g in self.graphs.values():
             attempt(g.close)
         self.graphs.clear()
@@ -337,6 +306,7 @@ class Engine:
                 attempt(d.event_destroy, e)
         attempt.raise_first()
 
+    @uninterruptible()
     def close(self) -> None:
         """``stop()`` if not yet, then untrack and destroy the streams and free the staging. Idempotent; every
         step is attempted, the first failure raised at the end."""
@@ -356,3 +326,111 @@ class Engine:
             attempt(d.host_free, self._staging)
             self._staging = 0
         attempt.raise_first()
+
+
+class Run:
+    """One prompt's generation on an engine, handed to its owner in blocks of decode replays.
+
+        run = engine.begin(ids, 64, stop={2})   # KV committed, prefill done: the first new token is chosen
+        first = run.advance(0)                  # [that token]
+        while not run.done:
+            new = run.advance(8)                # up to 8 more replays of the decode graph, then one read
+        run.finish()                            # counters; idempotent
+
+    ``advance(k)`` replays the captured graph up to ``k`` times back to back, then reads the tokens not handed
+    out yet in one copy (one synchronize a block): what it returns, cut after the first stop id. Each block
+    is timed by its own CUDA events, so a pause between blocks (a slow consumer) is not counted as decode
+    time. ``truncate(n)`` ends the run early, keeping the first ``n`` tokens (stop strings). After an
+    exception inside the engine the run is ``failed`` and done: no further driver call is made for it.
+    """
+
+    def __init__(self, engine, ids, max_new_tokens: int, *, sampling=None, seed: int = 0,
+                 return_logits: bool = False, stop=frozenset()):
+        self.engine = e = engine
+        d = e.driver
+        self.n, self.m = len(ids), max_new_tokens
+        self.stop = frozenset(stop)
+        self.return_logits = return_logits
+        self.tokens: list[int] = []
+        self.logits: list = []
+        self.made = 1                          # tokens produced on the device (prefill made the first)
+        self.done = self.finished = self.failed = False
+        self._vmm = 0
+        self._timed_ms, self._timed = 0.0, 0
+        e.kv.ensure(self.n + self.m)           # the only VMM calls of a run
+        if sampling is not None:
+            from vmmstream.kernels.ops.sampling import make_rng_state
+            e._h2d(e.acts.addr("rng"), "rng", make_rng_state(seed))
+        e._prefill(ids, sampling)
+        if return_logits:
+            self.logits.append(e._read_logits())
+        self.graph = e.graph(sampling)
+        self._events = e._timing_events()
+        self._d = d
+
+    def advance(self, replays: int) -> list:
+        """Up to ``replays`` more decode steps (not past ``max_new_tokens``); returns the tokens not returned
+        before (the first call: the prefill's token too), cut after the first stop id, which makes it done."""
+        if self.done:
+            return []
+        e, d = self.engine, self._d
+        k = max(0, min(replays, self.m - self.made))
+        try:
+            vmm0 = d.vmm_call_count()
+            if k:
+                t0, t1 = self._events
+                d.event_record(t0, e.S)
+                for _ in range(k):
+                    self.graph.replay()
+                    self.made += 1
+                    if self.return_logits:
+                        self.logits.append(e._read_logits())
+                d.event_record(t1, e.S)
+            have = len(self.tokens)
+            new = e._read_tokens(self.n + have, self.made - have)     # synchronizes S: the block is done
+            if k:
+                self._timed_ms += d.event_elapsed_ms(*self._events)
+                self._timed += k
+            self._vmm += d.vmm_call_count() - vmm0
+        except BaseException:
+            self.failed = self.done = True
+            raise
+        if self.stop:
+            cut = next((i for i, t in enumerate(new) if t in self.stop), None)
+            if cut is not None:
+                new = new[:cut + 1]
+                self.done = True
+        self.tokens.extend(new)
+        if self.made >= self.m:
+            self.done = True
+        return new
+
+    def truncate(self, count: int) -> None:
+        """End the run keeping its first ``count`` tokens (decoding ends there: a stop string was found)."""
+        del self.tokens[count:]
+        self.done = True
+
+    def logits_array(self):
+        return np.stack(self.logits[:len(self.tokens)]) if self.return_logits else None
+
+    def finish(self) -> None:
+        """Count what the run did (no driver call: every block ended with a synchronize). Idempotent; a failed
+        run counts nothing, as before the run was split in blocks."""
+        if self.finished:
+            return
+        self.finished = self.done = True
+        if self.failed:
+            return
+        e = self.engine
+        cnt = e.counters
+        replays = self.made - 1
+        del self.logits[len(self.tokens):]
+        cnt["vmm_calls_decode"] += self._vmm
+        cnt["decode_tokens"] += max(0, len(self.tokens) - 1)   # tokens returned; replays past a stop are not
+        cnt["graph_replays"] += replays
+        cnt["generate_calls"] += 1
+        if self._timed:
+            cnt["decode_ms"] += self._timed_ms
+            cnt["decode_timed_tokens"] += self._timed          # the device rate counts every replay it timed
+        cnt["page_ins"] += replays * e._copies_per_replay
+        cnt["page_in_bytes"] += replays * (e.weights.streamed_payload if e._copies_per_replay else 0)
