@@ -25,18 +25,8 @@ def add_subcommands(subparsers) -> None:
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs tokenizer.json in MODEL)")
     src.add_argument("--ids", type=_ids, help="prompt token ids, comma separated: 1,2,3")
-    gen.add_argument("--max-new-tokens", type=_positive, default=32)
-    gen.add_argument("--max-context", type=_positive, default=None,
-                     help="positions the KV cache holds (default: min(4096, max_position_embeddings))")
-    gen.add_argument("--slots", type=_slots, default=None, help="streaming slots K >= 2 (default 2)")
-    gen.add_argument("--quantize", default=None, choices=("int4", "mxfp4"),
-                     help="store the layers' linear weights quantized (quantized while loading)")
-    gen.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-k", type=_non_negative, default=0, help="0 = no limit (default)")
-    gen.add_argument("--top-p", type=_top_p, default=1.0, help="in (0, 1]; 1 = no limit (default)")
-    gen.add_argument("--seed", type=_non_negative, default=0)
-    _add_stops(gen)
-    gen.add_argument("--backend", default=None, choices=("cuda", "host", "auto"))
+    _add_run_options(gen, max_new_tokens=32, max_new_help=None,
+                     context_help="positions the KV cache holds (default: min(4096, max_position_embeddings))")
     gen.add_argument("--plan", action="store_true", help="print the plan before generating")
     gen.add_argument("--stats", action="store_true", help="print the counters after generating")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
@@ -52,19 +42,9 @@ def add_subcommands(subparsers) -> None:
     chat.add_argument("--budget", type=_budget, default=None,
                       help="device memory budget, e.g. 2GiB (default: VMMSTREAM_BUDGET, else auto = 0.9 x free)")
     chat.add_argument("--system", default=None, help="a system message to start the conversation with")
-    chat.add_argument("--max-new-tokens", type=_positive, default=512, help="most tokens an answer may have")
-    chat.add_argument("--max-context", type=_positive, default=None,
-                      help="positions the KV cache holds, the whole conversation included "
-                           "(default: min(4096, max_position_embeddings))")
-    chat.add_argument("--slots", type=_slots, default=None, help="streaming slots K >= 2 (default 2)")
-    chat.add_argument("--quantize", default=None, choices=("int4", "mxfp4"),
-                      help="store the layers' linear weights quantized (quantized while loading)")
-    chat.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default)")
-    chat.add_argument("--top-k", type=_non_negative, default=0, help="0 = no limit (default)")
-    chat.add_argument("--top-p", type=_top_p, default=1.0, help="in (0, 1]; 1 = no limit (default)")
-    chat.add_argument("--seed", type=_non_negative, default=0)
-    _add_stops(chat)
-    chat.add_argument("--backend", default=None, choices=("cuda", "host", "auto"))
+    _add_run_options(chat, max_new_tokens=512, max_new_help="most tokens an answer may have",
+                     context_help="positions the KV cache holds, the whole conversation included "
+                                  "(default: min(4096, max_position_embeddings))")
     chat.set_defaults(fn=_chat)
 
     demo = subparsers.add_parser(
@@ -184,6 +164,21 @@ def _write(text) -> None:
     if text:
         sys.stdout.write(text)
         sys.stdout.flush()
+
+
+def _add_run_options(p, *, max_new_tokens: int, max_new_help, context_help: str) -> None:
+    """The options ``generate`` and ``chat`` share: lengths, placement, sampling, stops, backend."""
+    p.add_argument("--max-new-tokens", type=_positive, default=max_new_tokens, help=max_new_help)
+    p.add_argument("--max-context", type=_positive, default=None, help=context_help)
+    p.add_argument("--slots", type=_slots, default=None, help="streaming slots K >= 2 (default 2)")
+    p.add_argument("--quantize", default=None, choices=("int4", "mxfp4"),
+                   help="store the layers' linear weights quantized (quantized while loading)")
+    p.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=_non_negative, default=0, help="0 = no limit (default)")
+    p.add_argument("--top-p", type=_top_p, default=1.0, help="in (0, 1]; 1 = no limit (default)")
+    p.add_argument("--seed", type=_non_negative, default=0)
+    _add_stops(p)
+    p.add_argument("--backend", default=None, choices=("cuda", "host", "auto"))
 
 
 def _add_stops(p) -> None:
