@@ -29,9 +29,15 @@ def __getattr__(name):
     if name in ("CheckpointError", "UnsupportedModelError"):
         from . import model
         return getattr(model, name)
+    if name in ("Token", "TokenStream"):
+        from . import api
+        return getattr(api, name)
+    if name == "ChatTemplateError":
+        from . import chat
+        return chat.ChatTemplateError
     raise AttributeError(f"module 'vmmstream' has no attribute {name!r}")
 
 
 __all__ = ["load_model", "Model", "parse_budget", "BudgetError", "CapacityError", "CaptureError", "CheckpointError",
-           "ConfigError", "ContextLengthError", "DriverError", "UnsupportedModelError", "VmmstreamError",
-           "WorkspaceShortfall"]
+           "ChatTemplateError", "ConfigError", "ContextLengthError", "DriverError", "Token", "TokenStream",
+           "UnsupportedModelError", "VmmstreamError", "WorkspaceShortfall"]

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from dataclasses import dataclass
 
-import numpy as np
 
 from .errors import BudgetError
 
@@ -31,11 +31,12 @@ class BudgetSpec:
 
 def parse_budget_spec(value) -> BudgetSpec:
     """Parse without a device. Raises ``BudgetError`` (a ``ValueError``) on anything unclear."""
-    if isinstance(value, (bool, np.bool_)) or value is None:
+    if isinstance(value, bool) or value is None or type(value).__name__ == "bool_":
         raise BudgetError(f"budget {value!r} is not a size; give bytes, '6GiB', '80%', 0.8 or 'auto'")
-    if isinstance(value, np.integer):      # a value read from an array is a value
+    # a value read from an array is a value (NumPy's scalars register as these; numpy is not imported here)
+    if isinstance(value, numbers.Integral):
         value = int(value)
-    elif isinstance(value, np.floating):
+    elif isinstance(value, numbers.Real):
         value = float(value)
     if isinstance(value, int):
         if value <= 0:

@@ -431,9 +431,10 @@ def test_text_prompt_with_a_tokenizer(tiny, tmp_path):
 def test_import_stays_light():
     import subprocess
     import sys
-    code = "import sys, vmmstream; print('numba' in sys.modules, 'vmmstream.api' in sys.modules)"
+    code = ("import sys, vmmstream; print('numba' in sys.modules, 'vmmstream.api' in sys.modules, "
+            "'numpy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
-    assert out.stdout.split() == ["False", "False"]
+    assert out.stdout.split() == ["False", "False", "False"]
     assert callable(vmmstream.load_model) and vmmstream.Model.__name__ == "Model"
     assert np.dtype(np.uint16).itemsize == 2
 
