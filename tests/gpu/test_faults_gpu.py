@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from faults import Interrupt, each_call
+from faults import Interrupt, each_call, interrupt_after
 
 import vmmstream
 from vmmstream.errors import CapacityError, DriverError
@@ -66,13 +66,13 @@ def warm(driver, tiny):
     return want
 
 
-@pytest.mark.parametrize("kind", ["driver-error", "interrupt"])
+@pytest.mark.parametrize("kind", ["driver-error", "interrupt", "interrupt-after"])
 def test_i3_a_fault_at_every_driver_call_of_a_load_leaves_nothing(driver, tiny, warm, fail_at, kind):
     budget = _streaming_budget(tiny, driver.granularity())
     driver.synchronize()
     free0, _ = driver.mem_get_info()
     mem = _memory(driver, budget)
-    make = fail_at if kind == "driver-error" else Interrupt
+    make = {"driver-error": fail_at, "interrupt": Interrupt, "interrupt-after": interrupt_after}[kind]
 
     def after(_):
         _clean(mem)
@@ -87,7 +87,7 @@ def test_i3_a_fault_at_every_driver_call_of_a_load_leaves_nothing(driver, tiny, 
     assert free0 - driver.mem_get_info()[0] <= 8 * MiB
 
 
-@pytest.mark.parametrize("kind", ["driver-error", "interrupt"])
+@pytest.mark.parametrize("kind", ["driver-error", "interrupt", "interrupt-after"])
 def test_a_fault_at_every_driver_call_of_generate_leaves_the_model_usable(driver, tiny, warm, fail_at, kind):
     """Prefill and decode interrupted or failed at every call: the model still answers as before, and its
     memory is what it held before the call (the step workspace released, I8)."""
@@ -95,7 +95,7 @@ def test_a_fault_at_every_driver_call_of_generate_leaves_the_model_usable(driver
     with vmmstream.load_model(tiny, memory=mem, max_context=MC) as m:
         m.generate(PROMPT, 8)
         held = dict(mem.snapshot()["by_holder"])
-        make = fail_at if kind == "driver-error" else Interrupt
+        make = {"driver-error": fail_at, "interrupt": Interrupt, "interrupt-after": interrupt_after}[kind]
 
         def after(_):
             driver.synchronize()
