@@ -306,11 +306,14 @@ class Model:
             g = self._active
             if g is None:
                 return
-            owner = g.owner() if g.owner is not None else None
-            if owner is None or g.thread == threading.get_ident():
-                g.end("another call on the model from the same thread took the engine" if owner is not None
+            # never hold the stream in a local while waiting: that reference alone would keep a dropped
+            # stream alive, and this wait would never end
+            alive = g.owner is not None and g.owner() is not None
+            if not alive or g.thread == threading.get_ident():
+                g.end("another call on the model from the same thread took the engine" if alive
                       else "the stream was dropped")
                 continue
+            del g
             self._engine_free.wait(0.05)
 
     def rebalance_experts(self, *, force: bool = False) -> int:
@@ -618,6 +621,8 @@ class TokenStream:
             if g is None:
                 try:
                     m._take_engine()
+                    if self._done:             # closed by another thread while this one waited: start nothing
+                        raise StopIteration
                     g = self._gen = _Generation(m, self._req, owner=self)
                 except BaseException:
                     self._done = True          # as a generator that raised: it is over

@@ -60,7 +60,12 @@ class Detokenizer:
         self.text += piece
         if len(stable) == len(window) and len(stable) == len(self._base) + self._extra:
             # complete: this is the next boundary; the window moves up, keeping the last complete tokens as context
-            self._start, self._read = self._read, len(self.tokens)
+            start, read = self._read, len(self.tokens)
+            # the context must decode to some text: tokens that decode to nothing (special tokens, skipped) give
+            # a decoder that strips the first space or marker nothing to strip it from
+            while start > 0 and not self._decode(self.tokens[start:read]):
+                start -= 1
+            self._start, self._read = start, read
             self._base = self._decode(self.tokens[self._start:self._read])
             self._extra = 0
         return piece

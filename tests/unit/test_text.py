@@ -401,3 +401,76 @@ def test_cli_generate_streams_the_text(ckpt, monkeypatch):
     out.writes.clear()
     assert main(argv + ["--stop", _stop_in(want)]) == 0
     assert "".join(out.writes) == stopped + "\n"
+
+
+# ------------------------------------------------------------------------- found by review, kept fixed
+
+def _metaspace_tokenizer():
+    """A SentencePiece-style tokenizer (Metaspace: the decoder strips the first word's space) with a special
+    token, trained here: the case where a skipped special token must not be the only context."""
+    from chat_fixture import CORPUS
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    t = Tokenizer(models.BPE(unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Metaspace()
+    t.decoder = decoders.Metaspace()
+    t.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>"],
+                                                      show_progress=False))
+    return t
+
+
+def test_detokenizer_keeps_spaces_across_a_special_token_mid_output():
+    from vmmstream.text import Detokenizer
+    t = _metaspace_tokenizer()
+    special = t.token_to_id("<s>")
+    words = t.encode("the quick brown fox jumps over the lazy dog").ids
+    for cut in range(1, len(words)):
+        ids = words[:cut] + [special] + words[cut:] + [special, special] + words[:3]
+        d = Detokenizer(t)
+        text = "".join(d.push(i) for i in ids) + d.flush()
+        assert text == t.decode(ids, skip_special_tokens=True), ids
+
+
+def test_a_dropped_stream_frees_a_thread_that_was_already_waiting(model):
+    """Another thread waits for the engine while the stream's own thread breaks out of its loop and drops it:
+    the waiting thread must get the model (its wait must not be what keeps the stream alive)."""
+    done = threading.Event()
+
+    def other():
+        model.generate(PROMPT, 4, eos_token_id=[])
+        done.set()
+    waiter = threading.Thread(target=other, daemon=True)
+    for k, _ in enumerate(model.stream(PROMPT, 40, eos_token_id=[])):
+        if k == 0:
+            waiter.start()
+            import time
+            time.sleep(0.3)                   # the other thread is waiting now
+        if k == 2:
+            break
+    gc.collect()
+    assert done.wait(10)
+    waiter.join()
+
+
+def test_a_stream_closed_while_its_first_token_waits_starts_nothing(model):
+    """A stream whose first ``next()`` waits for the engine and is closed meanwhile by another thread gets no
+    token and does not take the engine."""
+    import time
+    first = model.stream(PROMPT, 40, eos_token_id=[])
+    next(first)                                   # the engine is this stream's
+    got, errors = [], []
+    second = model.stream(PROMPT, 40, eos_token_id=[])
+
+    def consume():
+        try:
+            got.extend(second)
+        except BaseException as e:              # surfaced below
+            errors.append(e)
+    t = threading.Thread(target=consume, daemon=True)
+    t.start()
+    time.sleep(0.3)                               # waiting inside its first next()
+    second.close()
+    first.close()
+    t.join(10)
+    assert not t.is_alive() and errors == [] and got == []
+    assert model._active is None
+    assert model.generate(PROMPT, 4, eos_token_id=[])
