@@ -195,6 +195,10 @@ class ChatTemplate:
         """The prompt text for ``messages``; ``variables`` (e.g. ``date_string``) override the special tokens."""
         import jinja2
         msgs = check_messages(messages)
+        reserved = sorted(set(variables) & {"messages", "tools", "documents", "add_generation_prompt"})
+        if reserved:
+            raise ChatTemplateError(f"template variables {reserved} are given by the renderer itself (messages, "
+                                    "add_generation_prompt; tools and documents are not supported)")
         context = {**self.variables, **_plain(variables, "variables")}
         try:
             return self._template.render(messages=msgs, tools=None, documents=None,
@@ -208,3 +212,7 @@ class ChatTemplate:
             raise ChatTemplateError(f"the chat template did something the sandbox forbids: {exc}") from None
         except jinja2.TemplateError as exc:        # raise_exception(...) in the template, among others
             raise ChatTemplateError(f"the chat template refused the conversation: {exc.message or exc}") from None
+        except (ArithmeticError, LookupError, TypeError, ValueError, RecursionError) as exc:
+            # the template's own code failed on these messages (a division, an index, a type it did not expect)
+            raise ChatTemplateError(f"the chat template failed on these messages: {type(exc).__name__}: {exc}") \
+                from None

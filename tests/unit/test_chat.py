@@ -195,3 +195,14 @@ def test_tokenizer_config_special_tokens(ckpt):
     cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
     assert special_tokens(cfg) == {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>",
                                    "pad_token": "<|endoftext|>"}
+
+
+@pytest.mark.parametrize("source,variables", [
+    ("{{ 1 // 0 }}", {}),                                  # the template's own arithmetic fails
+    ("{{ messages[5]['content'] }}", {}),                  # an index past the conversation
+    ("{% for m in messages %}{{ m }}{% endfor %}", {"tools": "[]"}),   # a variable the renderer gives itself
+])
+def test_a_template_that_fails_on_the_messages_is_a_chat_template_error(source, variables):
+    from vmmstream.chat import ChatTemplate, ChatTemplateError
+    with pytest.raises(ChatTemplateError):
+        ChatTemplate(source).render([{"role": "user", "content": "hi"}], **variables)
