@@ -643,11 +643,11 @@ class TokenStream:
                 raise
             if replays:
                 self._per_token = (time.perf_counter() - t0) / replays
+            self._queue.extend(out)           # handed out even if what follows the last block fails
             if g.run.done:
                 self._done = True
                 self.finish_reason = g.finish_reason
                 g.after()
-        self._queue.extend(out)
 
     def close(self) -> None:
         """End the stream now (its tokens so far stay in ``tokens`` / ``text``) and give the model back."""
