@@ -26,6 +26,7 @@ import numpy as np
 from numba import config, cuda
 
 from vmmstream.kernels.base.dtypes import dev_f32_to_bf16
+from vmmstream.kernels.base.jit import jit
 
 
 
@@ -37,7 +38,7 @@ def kernel(launch_bounds, max_registers=None, carveout=None):
     kw = {} if max_registers is None else {"max_registers": max_registers}
     if carveout is not None:
         kw["shared_memory_carveout"] = carveout
-    return cuda.jit(launch_bounds=launch_bounds, **kw)
+    return jit(launch_bounds=launch_bounds, **kw)
 
 
 @cuda.jit(device=True, inline="always")

@@ -15,6 +15,7 @@ import numpy as np
 from numba import cuda
 
 from vmmstream.kernels.base.dtypes import dev_bf16_to_f32, dev_f32_to_bf16
+from vmmstream.kernels.base.jit import jit
 from vmmstream.kernels.base.launch import as_stream, cdiv, check_threads, check_workspace
 
 
@@ -46,7 +47,7 @@ def _make_combine(y_bf16: bool, out_bf16: bool, has_shared: bool, has_gate: bool
             else:
                 out[t, c] = acc
 
-    return cuda.jit(moe_combine_kernel)
+    return jit(moe_combine_kernel)
 
 
 def combine(y, topk_weights, out, *, shared=None, shared_gate=None, workspace=None, stream=None,

@@ -28,6 +28,7 @@ import numpy as np
 from numba import cuda
 
 from vmmstream.kernels.base.dtypes import dev_bf16_to_f32, dev_f32_to_bf16
+from vmmstream.kernels.base.jit import jit
 from vmmstream.kernels.matmul.dense.gemv import dot8, stage8_f32, warp_partials, x8_f32
 from vmmstream.kernels.base.launch import (as_stream, cdiv, check_threads, check_workspace, data_ptr, ld8_ro,
     ld16_ro, vec8_ok, warp_sum)
@@ -134,7 +135,7 @@ def _make_gate_up(nb: int, rpb: int, threads: int):
                     h[r, row] = dev_f32_to_bf16(_silu_mul(g, u))
             cuda.syncthreads()           # scratch is rewritten by the next rows of the tile
 
-    return cuda.jit(moe_gate_up_kernel)
+    return jit(moe_gate_up_kernel)
 
 
 @functools.lru_cache(maxsize=None)
@@ -175,7 +176,7 @@ def _make_down(nb: int, rpb: int, threads: int, out_bf16: bool):
                         y[p // top_k, p % top_k, row] = t
             cuda.syncthreads()
 
-    return cuda.jit(moe_down_kernel)
+    return jit(moe_down_kernel)
 
 
 # ------------------------------------------------------------------------------ experts (int4, MXFP4)
@@ -298,7 +299,7 @@ def _make_q(kind: int, pair: bool, nb: int, rpw: int, threads: int, kt: int, out
                             else:
                                 out[p // top_k, p % top_k, row] = t
 
-    return cuda.jit(moe_q_kernel)
+    return jit(moe_q_kernel)
 
 
 # ------------------------------------------------------------------------------------ experts (host)

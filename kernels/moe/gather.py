@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from vmmstream.kernels.base.jit import jit
 from vmmstream.kernels.base.launch import SIM, as_stream, check_workspace
 from vmmstream.kernels.base.workspace import NONE
 
@@ -106,7 +107,7 @@ def _gather(ids, loc, pool, host, slots, mapped, counts, stats, unit):
             cuda.atomic.add(stats, BYTES, unit)
 
 
-_kernel = cuda.jit(_gather)
+_kernel = jit(_gather)
 
 
 def workspace_requirement(top_k: int, unit: int):

@@ -30,6 +30,7 @@ import numpy as np
 from numba import cuda
 
 from vmmstream.kernels.base.dtypes import dev_bf16_to_f32
+from vmmstream.kernels.base.jit import jit
 from vmmstream.kernels.base.launch import as_stream, cdiv, check_threads, check_workspace, warp_argmax, warp_sum
 from vmmstream.kernels.base.workspace import NONE, Lifetime, WorkspaceRequirement, layout
 
@@ -180,7 +181,7 @@ def _make_router(in_bf16: bool, scoring: int, renorm: bool):
             ids[t, lane] = sel_i[lane]
             wts[t, lane] = w
 
-    return cuda.jit(router_topk_kernel)
+    return jit(router_topk_kernel)
 
 
 def _scoring(scoring: str, norm_topk_prob):
@@ -312,7 +313,7 @@ def _make_group(threads: int):
                 cur[e2] += s
             cuda.syncthreads()
 
-    return cuda.jit(moe_group_kernel)
+    return jit(moe_group_kernel)
 
 
 def group_by_expert(topk_ids, *, workspace, num_experts: int, row_tile: int = 0, stream=None,

@@ -19,6 +19,7 @@ import numpy as np
 from numba import cuda
 
 from vmmstream.kernels.base.dtypes import bf16_to_f32, dev_bf16_to_f32, dev_f32_to_bf16, f32_to_bf16
+from vmmstream.kernels.base.jit import jit
 from vmmstream.kernels.base.launch import (as_stream, cdiv, check_threads, check_workspace, hi_f32, ld8, lo_f32,
     pack2, st8, vec8_ok)
 from vmmstream.kernels.base.workspace import NONE
@@ -57,7 +58,7 @@ def _make(kind: int, vec: int):
             else:
                 out[t, c] = dev_f32_to_bf16(_op(kind, dev_bf16_to_f32(a[t, c]), dev_bf16_to_f32(b[t, c])))
 
-    return cuda.jit(binary_kernel)
+    return jit(binary_kernel)
 
 
 def workspace_requirement(tokens: int, cols: int):

@@ -18,6 +18,7 @@ import functools
 import numpy as np
 from numba import cuda
 
+from vmmstream.kernels.base.jit import jit
 from vmmstream.kernels.base.launch import as_stream, check_threads, check_workspace, ld8, st8, vec8_ok
 from vmmstream.kernels.base.workspace import NONE
 
@@ -47,7 +48,7 @@ def _make(vec: int, threads: int):
                 else:
                     out[t, c] = np.uint16(0)
 
-    return cuda.jit(embedding_kernel)
+    return jit(embedding_kernel)
 
 
 def workspace_requirement(tokens: int, hidden: int):

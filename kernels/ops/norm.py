@@ -21,6 +21,7 @@ import numpy as np
 from numba import cuda
 
 from vmmstream.kernels.base.dtypes import bf16_to_f32, dev_bf16_to_f32, dev_f32_to_bf16, f32_to_bf16, round_bf16
+from vmmstream.kernels.base.jit import jit
 from vmmstream.kernels.base.launch import (as_stream, block_sum, check_threads, check_workspace, hi_f32, ld8, ld8_ro,
     lo_f32, pack2, st8, vec8_ok)
 from vmmstream.kernels.base.workspace import NONE
@@ -99,7 +100,7 @@ def _make(vec: int, threads: int, fused: bool):
                     v = dev_bf16_to_f32(x[t, c])
                 out[t, c] = dev_f32_to_bf16(v * scale * dev_bf16_to_f32(weight[c]))
 
-    return cuda.jit(rmsnorm_kernel)
+    return jit(rmsnorm_kernel)
 
 
 def workspace_requirement(tokens: int, hidden: int):

@@ -22,6 +22,7 @@ import numpy as np
 from numba import cuda
 
 from vmmstream.kernels.base.dtypes import bf16_to_f32, dev_bf16_to_f32, dev_f32_to_bf16, f32_to_bf16
+from vmmstream.kernels.base.jit import jit
 from vmmstream.kernels.base.launch import (SIM, as_stream, check_threads, check_workspace, hi_f32, ld8, lo_f32,
     pack2, st8, vec8_ok)
 from vmmstream.kernels.base.workspace import NONE
@@ -143,7 +144,7 @@ def _make(vec: int, threads: int):
                 else:
                     _rot1(k, t, h - hq, j, half, cs, sn)
 
-    return cuda.jit(rope_kernel)
+    return jit(rope_kernel)
 
 
 @cuda.jit(device=True, inline="always")
@@ -214,7 +215,7 @@ def _make_append(vec: int, threads: int):
                 else:
                     cv[p, h, j] = v[t, h, j]
 
-    return cuda.jit(rope_append_kernel)
+    return jit(rope_append_kernel)
 
 
 def workspace_requirement(tokens: int, q_heads: int, kv_heads: int, head_dim: int):

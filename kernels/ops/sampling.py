@@ -30,6 +30,7 @@ import numpy as np
 from numba import cuda
 
 from vmmstream.kernels.base.dtypes import bf16_to_f32, dev_bf16_to_f32
+from vmmstream.kernels.base.jit import jit
 from vmmstream.kernels.base.launch import (as_stream, cdiv, check_threads, check_workspace, f32_as_u32, warp_argmax,
     warp_incl_scan, warp_sum)
 from vmmstream.kernels.base.workspace import Lifetime, WorkspaceRequirement, layout
@@ -200,7 +201,7 @@ def _make_argmax(in_bf16: bool):
             part_v[b, s] = bv
             part_i[b, s] = bi
 
-    return cuda.jit(argmax_partial_kernel)
+    return jit(argmax_partial_kernel)
 
 
 def _argmax_final(part_v, part_i, out_ids, nsplit):
@@ -221,7 +222,7 @@ def _argmax_final(part_v, part_i, out_ids, nsplit):
         out_ids[b] = bi
 
 
-_argmax_final_kernel = cuda.jit(_argmax_final)
+_argmax_final_kernel = jit(_argmax_final)
 
 
 @functools.lru_cache(maxsize=None)
@@ -280,7 +281,7 @@ def _make_sample(in_bf16: bool):
                 rng[1] = offset + np.uint64(1)
                 rng[2] = np.uint64(0)
 
-    return cuda.jit(sample_kernel)
+    return jit(sample_kernel)
 
 
 # -------------------------------------------------------------------------------------------- host

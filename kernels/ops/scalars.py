@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from vmmstream.kernels.base.jit import jit
 from vmmstream.kernels.base.launch import as_stream, cdiv, check_workspace
 from vmmstream.kernels.base.workspace import NONE
 
@@ -42,8 +43,8 @@ def _advance_append(next_ids, input_ids, positions, seq_lens, out_tokens, n):
         seq_lens[b] = at + 1
 
 
-_advance_kernel = cuda.jit(_advance)
-_advance_append_kernel = cuda.jit(_advance_append)
+_advance_kernel = jit(_advance)
+_advance_append_kernel = jit(_advance_append)
 
 
 def workspace_requirement(batch: int):

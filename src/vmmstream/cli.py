@@ -63,6 +63,27 @@ def _info(args) -> int:
     return 0 if check["ok"] else 1
 
 
+def _cache(args) -> int:
+    from vmmstream.kernels.base import jit
+    root = jit.cache_root() / "kernels"
+    if args.clear:
+        freed = jit.clear()
+        print(f"removed {root} ({format_bytes(freed)})")
+        return 0
+    files, size = jit.folder_size(root)
+    builds = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    out = {"folder": str(root), "this_build": str(jit.cache_dir()), "enabled": jit.enabled(), "files": files,
+           "bytes": size, "builds": builds}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"kernel cache  {root}  ({'on' if out['enabled'] else 'off: VMMSTREAM_KERNEL_CACHE'})")
+        print(f"this build    {jit.source_tag()}" + ("" if jit.source_tag() in builds else "  (nothing compiled yet)"))
+        print(f"holds         {files} files, {format_bytes(size)}, {len(builds)} build(s)")
+        print("clear it with `vmmstream cache --clear` (or delete the folder)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vmmstream", description="Run LLMs larger than your GPU budget.")
     p.add_argument("--version", action="version", version=f"vmmstream {__version__}")
@@ -73,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="budget to resolve (default: VMMSTREAM_BUDGET or auto)")
     info.add_argument("--backend", default=None, choices=("cuda", "host", "auto"))
     info.set_defaults(fn=_info)
+    cache = sub.add_parser("cache", help="where the compiled kernels are kept, how much, and how to clear them",
+                           description="Compiled CUDA kernels are kept on disk, one folder per build of the "
+                                       "kernels, so a second process starts without compiling. VMMSTREAM_CACHE_DIR "
+                                       "moves the folder; VMMSTREAM_KERNEL_CACHE=0 turns it off.")
+    cache.add_argument("--clear", action="store_true", help="delete every compiled kernel")
+    cache.add_argument("--json", action="store_true", help="print JSON")
+    cache.set_defaults(fn=_cache)
     from .cli_model import add_subcommands; add_subcommands(sub)
     from .cli_run import add_subcommands as add_run; add_run(sub)
     return p

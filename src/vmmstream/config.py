@@ -72,4 +72,15 @@ BACKEND = Variable(
     "VMMSTREAM_BACKEND", _parse_backend, "auto",
     "driver backend: cuda, host (emulation without a GPU) or auto (cuda when a device is usable)")
 
-ALL = (LEGACY_ALLOCATOR, BUDGET, BACKEND)
+def _parse_path(name: str, raw: str) -> str:
+    return os.path.expanduser(raw.strip())
+
+
+KERNEL_CACHE = Variable(
+    "VMMSTREAM_KERNEL_CACHE", _parse_bool, True,
+    "0 = compile the CUDA kernels in every process instead of keeping them on disk (see `vmmstream cache`)")
+CACHE_DIR = Variable(
+    "VMMSTREAM_CACHE_DIR", _parse_path, None,
+    "where compiled kernels are kept (default: $XDG_CACHE_HOME/vmmstream, else ~/.cache/vmmstream)")
+
+ALL = (LEGACY_ALLOCATOR, BUDGET, BACKEND, KERNEL_CACHE, CACHE_DIR)

@@ -223,3 +223,36 @@ def test_max_context_exhaustion_on_cuda_is_an_error_not_a_crash(driver, small):
             assert len(m.generate(PROMPT, MC - len(PROMPT), eos_token_id=[])) == MC - len(PROMPT)
     finally:
         mem.close()
+
+
+_FRESH_PROCESS = """
+import json, sys, time
+t0 = time.perf_counter()
+import vmmstream
+from vmmstream.kernels.base import jit
+with vmmstream.load_model(sys.argv[1], budget=sys.argv[2], backend="cuda", max_context=128) as m:
+    t1 = time.perf_counter()
+    ids = m.generate([1, 5, 9, 33, 7, 2], 8, eos_token_id=[])
+print(json.dumps(dict(jit.stats(), ids=ids, load_s=t1 - t0, total_s=time.perf_counter() - t0)))
+"""
+
+
+def test_a_second_process_loads_every_kernel_from_the_disk_cache(small, tmp_path, driver):
+    import json
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, VMMSTREAM_CACHE_DIR=str(tmp_path), VMMSTREAM_KERNEL_CACHE="1")
+
+    def fresh(budget):
+        r = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, str(small), budget], env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-4000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    cold, warm = fresh("1GiB"), fresh("1GiB")
+    streamed = fresh(str(_budgets(small, driver.granularity())[1]))
+    print(f"\nkernel cache: cold {cold['load_s']:.1f} s to load ({cold['misses']} compiled), warm "
+          f"{warm['load_s']:.1f} s ({warm['hits']} from disk); streamed {streamed['load_s']:.1f} s")
+    assert cold["uncached"] == [] and cold["misses"] > 0 and cold["hits"] == 0
+    assert warm["misses"] == 0 and warm["hits"] == cold["misses"]
+    assert warm["ids"] == cold["ids"] == streamed["ids"]

@@ -18,6 +18,7 @@ import numpy as np
 from numba import cuda
 
 from vmmstream.kernels.base.dtypes import bf16_to_f32, dev_bf16_to_f32, dev_f32_to_bf16
+from vmmstream.kernels.base.jit import jit
 from vmmstream.kernels.base.launch import as_stream, cdiv, check_workspace
 from vmmstream.kernels.base.workspace import NONE
 
@@ -95,7 +96,7 @@ def _make(tm: int, has_bias: bool, out_bf16: bool):
                         else:
                             y[row, col] = v
 
-    return cuda.jit(gemm_kernel)
+    return jit(gemm_kernel)
 
 
 def workspace_requirement(m: int, n: int, k: int):

@@ -28,6 +28,7 @@ import numpy as np
 from numba import cuda
 
 from vmmstream.kernels.base.dtypes import bf16_to_f32, dev_bf16_to_f32, dev_f32_to_bf16, f32_to_bf16
+from vmmstream.kernels.base.jit import jit
 from vmmstream.kernels.base.launch import (as_stream, cdiv, check_threads, check_workspace, hi_f32, ld8_ro, lo_f32,
     vec8_ok, warp_sum)
 from vmmstream.kernels.base.workspace import NONE
@@ -185,7 +186,7 @@ def _make(vec: int, nb: int, rpb: int, threads: int, has_bias: bool, out_bf16: b
                 else:
                     y[bb, row] = t
 
-    return cuda.jit(gemv_kernel)
+    return jit(gemv_kernel)
 
 
 @functools.lru_cache(maxsize=None)
@@ -238,7 +239,7 @@ def _make_multi(vec: int, nb: int, rpb: int, threads: int, has_bias: bool):
                         t += dev_bf16_to_f32(bias2[row])
                     y2[bb, row] = dev_f32_to_bf16(t)
 
-    return cuda.jit(gemv_multi_kernel)
+    return jit(gemv_multi_kernel)
 
 
 @cuda.jit(device=True, inline="always")
@@ -275,7 +276,7 @@ def _make_gate_up(vec: int, nb: int, rpb: int, threads: int):
                 u = dev_bf16_to_f32(dev_f32_to_bf16(total(scratch, rn + tid)))
                 y[bb, row] = dev_f32_to_bf16(_silu_mul(g, u))
 
-    return cuda.jit(gemv_gate_up_silu_kernel)
+    return jit(gemv_gate_up_silu_kernel)
 
 
 def workspace_requirement(n: int, k: int, batch: int = 1):

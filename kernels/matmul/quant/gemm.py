@@ -45,6 +45,7 @@ import functools
 import numpy as np
 from numba import cuda
 
+from vmmstream.kernels.base.jit import jit
 from vmmstream.kernels.matmul.dense import gemm as _gemm
 from vmmstream.kernels.base.dtypes import bf16_to_f32, dev_bf16_to_f32, dev_f32_to_bf16, f32_to_bf16
 from vmmstream.kernels.base.launch import (as_stream, cdiv, check_threads, check_workspace, data_ptr, hi_f32, ld8_ro,
@@ -158,7 +159,7 @@ def _make(kind: int, tm: int, has_bias: bool):
                             v += dev_bf16_to_f32(bias[col])
                         y[row, col] = dev_f32_to_bf16(v)
 
-    return cuda.jit(qgemm_kernel)
+    return jit(qgemm_kernel)
 
 
 @functools.lru_cache(maxsize=None)
@@ -197,7 +198,7 @@ def _make_expand(kind: int):
                 st8(dense, (row, c * 32 + 8 * qq), pack2(vals[0], vals[1]), pack2(vals[2], vals[3]),
                     pack2(vals[4], vals[5]), pack2(vals[6], vals[7]))
 
-    return cuda.jit(expand_kernel)
+    return jit(expand_kernel)
 
 
 # --------------------------------------------------------------------------------------------- host

@@ -31,6 +31,7 @@ import numpy as np
 from numba import cuda
 
 from vmmstream.kernels.base.dtypes import as_f32, dev_bf16_to_f32, dev_f32_to_bf16
+from vmmstream.kernels.base.jit import jit
 from vmmstream.kernels.base.launch import cdiv, check_threads, hi_f32, ld8_ro, ld16_ro, lo_f32, warp_sum
 from vmmstream.kernels.matmul.quant.formats import INT4, INT4_GROUP, MXFP4
 
@@ -143,7 +144,7 @@ def _make(kind: int, nb: int, rpw: int, threads: int, has_bias: bool, kt: int):
                         t += dev_bf16_to_f32(bias[row])
                     y[bb, row] = dev_f32_to_bf16(t)
 
-    return cuda.jit(qgemv_kernel)
+    return jit(qgemv_kernel)
 
 
 def _auto(b: int, cfg):
