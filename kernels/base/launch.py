@@ -155,11 +155,16 @@ if SIM:
         """No cache to warm in the simulator."""
 
     def cp_async16(dst, di, src, si):
-        """The simulator copies at once: 16 bytes of the 1-D uint8 ``src`` at byte si to words di..di+3 of
-        the 1-D uint32 ``dst``."""
+        """The simulator copies at once: 16 bytes of the 1-D uint8 ``src`` at byte si (or, ``si`` a tuple, of
+        any array from element ``src[si]`` along its last axis) to words di..di+3 of the 1-D uint32 ``dst``."""
         d = dst._ary if hasattr(dst, "_ary") else dst
-        a = src._ary if hasattr(src, "_ary") else src
-        v = np.ascontiguousarray(a[int(si):int(si) + 16], dtype=np.uint8)
+        if isinstance(si, tuple):
+            a, base, j = _flat(src, si)
+            n = 16 // a.dtype.itemsize
+            v = np.ascontiguousarray(a[base + (slice(j, j + n),)]).view(np.uint8)
+        else:
+            a = src._ary if hasattr(src, "_ary") else src
+            v = np.ascontiguousarray(a[int(si):int(si) + 16], dtype=np.uint8)
         if v.shape[0] != 16 or d[int(di):int(di) + 4].shape[0] != 4:
             raise IndexError("cp_async16 past the end of an array")
         d[int(di):int(di) + 4] = v.view(np.uint32)

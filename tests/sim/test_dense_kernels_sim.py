@@ -149,6 +149,36 @@ def test_gemm_matches_reference(m, n, k, bias, out_dtype, tm):
         assert np.all(np.abs(out.copy_to_host() - ref) <= slack)
 
 
+@pytest.mark.parametrize("m,n,k,bias,out_dtype", [
+    (70, 136, 64, True, np.uint16),     # edges in M and N (a second, partial tile of each), two K steps, bias
+    (9, 24, 32, False, np.float32),     # one K step, fp32 out
+])
+def test_gemm_tensor_core_route_matches_reference(m, n, k, bias, out_dtype):
+    """The mma route (emulated warp-wide mma in the simulator): fragments, stages and edges."""
+    rng = np.random.default_rng(m + n + k)
+    x, w = bf16(rng, (m, k)), bf16(rng, (n, k))
+    bb = bf16(rng, n) if bias else None
+    out = cuda.device_array((m, n), out_dtype)
+    gemm.gemm(dev(x), dev(w), out, bias=None if bb is None else dev(bb), route="mma")
+    ref = gemm.reference(x, w, bb)
+    slack = 1e-5 * (np.abs(bf16_to_f32(x)) @ np.abs(bf16_to_f32(w)).T) + 1e-6
+    if out_dtype == np.uint16:
+        assert_bf16_close(out.copy_to_host(), ref, slack)
+    else:
+        assert np.all(np.abs(out.copy_to_host() - ref) <= slack)
+
+
+def test_gemm_routes_and_refusals():
+    rng = np.random.default_rng(0)
+    x, w = dev(bf16(rng, (4, 40))), dev(bf16(rng, (8, 40)))
+    out = cuda.device_array((4, 8), np.uint16)
+    assert gemm.choose_route(x, w) == "simt"                 # K = 40: not a multiple of 32
+    with pytest.raises(ValueError, match="multiple of 32"):
+        gemm.gemm(x, w, out, route="mma")
+    with pytest.raises(ValueError, match="route"):
+        gemm.gemm(x, w, out, route="wgmma")
+
+
 # ---------------------------------------------------------------------------------------- rmsnorm
 
 @pytest.mark.parametrize("t,h", [(3, 67), (2, 136)])

@@ -5,8 +5,8 @@ computes a (16·tm)×(16·tm) tile of Y, each thread a tm×tm micro-tile whose r
 strided by 16 (so shared-memory reads are conflict-free and the final stores coalesce). Per K step
 of ``BK`` the block stages both operand tiles in shared memory as fp32, transposed to [k][row] with
 one pad column; the next tile is loaded into registers while the current one is multiplied, so global
-latency overlaps the FMAs. This is a plain SIMT fp32-FMA kernel (Numba exposes no tensor-core MMA):
-correct at any shape, a few tens of TFLOP/s at best — prefill is eager and runs once per prompt.
+latency overlaps the FMAs. This is the plain SIMT fp32-FMA route, correct at any shape and a few tens of
+TFLOP/s at best; ``gemm()`` takes the tensor-core route (``gemm_mma.py``) whenever the operands allow it.
 Output is bf16 (uint16) or fp32, whatever ``out`` is.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from numba import cuda
+from numba import config, cuda
 
 from vmmstream.kernels.base.dtypes import bf16_to_f32, dev_bf16_to_f32, dev_f32_to_bf16
 from vmmstream.kernels.base.jit import jit
@@ -23,6 +23,8 @@ from vmmstream.kernels.base.launch import as_stream, cdiv, check_workspace
 from vmmstream.kernels.base.workspace import NONE
 
 CAPTURE_SAFE = True  # no allocation, no synchronize, device arrays only
+SIM = bool(config.ENABLE_CUDASIM)
+MMA, SIMT = "mma", "simt"
 BK = 16
 TM_DEFAULT = 4        # 64×64 tiles; 8 gives 128×128 tiles (more reuse, more registers)
 
@@ -104,8 +106,16 @@ def workspace_requirement(m: int, n: int, k: int):
     return NONE
 
 
-def gemm(x, w, out, *, bias=None, workspace=None, stream=None, tm: int = TM_DEFAULT):
-    """out[M, N] = x[M, K] · w[N, K]ᵀ (+ bias[N]). bf16 (uint16) inputs; out uint16 (bf16) or float32."""
+def choose_route(x, w) -> str:
+    """``mma`` (tensor cores, ``gemm_mma.py``) when it takes the operands (K a multiple of 32, rows 16-byte
+    aligned), else ``simt``. The simulator runs ``simt`` unless asked: its emulated mma is slow."""
+    from vmmstream.kernels.matmul.dense import gemm_mma
+    return MMA if not SIM and gemm_mma.usable(x, w) else SIMT
+
+
+def gemm(x, w, out, *, bias=None, workspace=None, stream=None, tm: int = TM_DEFAULT, route: str = "auto"):
+    """out[M, N] = x[M, K] · w[N, K]ᵀ (+ bias[N]). bf16 (uint16) inputs; out uint16 (bf16) or float32.
+    ``route``: ``auto`` (``choose_route``), ``mma`` or ``simt`` (``tm`` applies to ``simt`` only)."""
     m, k = x.shape
     n = w.shape[0]
     check_workspace("gemm", workspace, workspace_requirement(m, n, k).bytes)
@@ -113,6 +123,17 @@ def gemm(x, w, out, *, bias=None, workspace=None, stream=None, tm: int = TM_DEFA
         raise ValueError(f"gemm shapes: x {x.shape}, w {w.shape}, out {out.shape}")
     if tm not in (1, 2, 4, 8):
         raise ValueError(f"gemm micro-tile must be 1, 2, 4 or 8, got {tm}")
+    if route == "auto":
+        route = choose_route(x, w)
+    if route == MMA:
+        from vmmstream.kernels.matmul.dense import gemm_mma
+        if not gemm_mma.usable(x, w):
+            raise ValueError(f"gemm route 'mma' needs K a multiple of {gemm_mma.BK} and 16-byte aligned rows; "
+                             f"x {x.shape}, w {w.shape}")
+        gemm_mma.launch(x, w, out, bias=bias, stream=stream)
+        return
+    if route != SIMT:
+        raise ValueError(f"gemm route must be 'auto', 'mma' or 'simt', got {route!r}")
     kern = _make(tm, bias is not None, out.dtype == np.uint16)
     bm = 16 * tm
     if m and n:
