@@ -353,7 +353,8 @@ class Model:
             "measured_streamed_bytes_per_step": c["page_in_bytes"] / steps if steps else 0,
             "byte_hit_rate": resident / per_token if per_token else 1.0,
             "h2d_device_ms": c["h2d_ms"], "h2d_timed_bytes": c["h2d_timed_bytes"], "h2d_gbps": h2d_gbps,
-            "decode_device_ms": c["decode_ms"], "decode_tokens_per_s": dec_tps,
+            "decode_device_ms": c["decode_ms"], "decode_timed_tokens": c["decode_timed_tokens"],
+            "decode_tokens_per_s": dec_tps,
             "tokens_per_s_bound": (h2d_gbps * 1e9 / p.streamed_bytes_per_token
                                    if h2d_gbps and p.streamed_bytes_per_token else None),
             "vmm_calls": snap["vmm_calls_total"], "vmm_calls_decode": c["vmm_calls_decode"],

@@ -64,6 +64,12 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                               num_attention_heads=24, num_key_value_heads=8, head_dim=128,
                               max_position_embeddings=4096, rms_norm_eps=1e-5),
            "Llama-shaped 3.0B (5.62 GiB bf16), the GPU.md benchmark model"),
+    Preset("qwen2-7b-12l", _llama(architecture="Qwen2ForCausalLM", vocab_size=152064, hidden_size=3584,
+                                  intermediate_size=18944, num_hidden_layers=12, num_attention_heads=28,
+                                  num_key_value_heads=4, head_dim=128, max_position_embeddings=32768,
+                                  rms_norm_eps=1e-6, attention_bias=True, rope_theta=1000000.0),
+           "Qwen2-7B's layer shape with 12 of its 28 layers (3.9B, 7.24 GiB bf16; vocab 152,064 untied, "
+           "GQA 7): the second benchmark model"),
     Preset("mixtral-tiny", _llama(architecture="MixtralForCausalLM", vocab_size=256, hidden_size=64,
                                   intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                   num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
