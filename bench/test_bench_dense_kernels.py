@@ -260,6 +260,31 @@ def test_bench_gemm_prefill(benchmark, route, m):
            GBps=nbytes / t / 1e9, ratio_time_vs_torch=t / t_torch)
 
 
+@pytest.mark.parametrize("fmt,route,m", [("mxfp4", "mma", 512), ("mxfp4", "mma", 4096), ("int4", "mma", 512),
+                                          ("mxfp4", "in_register", 512)])
+def test_bench_qgemm_prefill(benchmark, fmt, route, m):
+    """Quantized prefill GEMM x[M, 4096] · W[14336, 4096]ᵀ, W int4 / MXFP4: TFLOP/s beside torch.matmul on the
+    bf16 weight in the same run."""
+    torch = _torch()
+    from vmmstream.kernels.matmul.quant import gemm as qgemm
+    from vmmstream.kernels.matmul.quant.formats import quantize_int4, quantize_mxfp4
+    rng = np.random.default_rng(0)
+    wf = (rng.standard_normal((I, H), dtype=np.float32) * np.float32(0.02))
+    qw = quantize_int4(wf) if fmt == "int4" else quantize_mxfp4(wf)
+    parts = [nb(torch.from_numpy(np.ascontiguousarray(a)).cuda()) for a in qw]
+    x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
+    w = torch.from_numpy(wf).to("cuda", torch.bfloat16)
+    out = torch.empty(m, I, device="cuda", dtype=torch.bfloat16)
+    t_torch = device_seconds(capture(lambda s: torch.matmul(x, w.t(), out=out), n=3), n=3, rounds=5)
+    dx, dout = nb(x), nb(out)
+    launch = qgemm.qgemm_int4 if fmt == "int4" else qgemm.qgemm_mxfp4
+    t = device_seconds(capture(lambda s: launch(*parts, dx, dout, route=route, stream=s), n=3), benchmark, n=3,
+                       rounds=5)
+    fl = 2 * m * I * H
+    record(benchmark, seconds=t, nbytes=qgemm.bytes_moved(m, I, H, fmt, route), TFLOPs=fl / t / 1e12,
+           torch_bf16_TFLOPs=fl / t_torch / 1e12, ratio_time_vs_torch=t / t_torch)
+
+
 @pytest.mark.parametrize("route", ["greedy", "sample"])
 def test_bench_token_selection(benchmark, route):
     torch = _torch()

@@ -220,7 +220,7 @@ def test_bench_user_transformers(benchmark, checkpoints, tmp_path_factory, model
         return time.perf_counter() - t0
     wall = benchmark.pedantic(run, rounds=1, iterations=1)
     info.update(wall_s=wall, wall_tok_s=ANSWER_NEW / wall)
-    del hf
+    hf = None
     torch.cuda.empty_cache()
     acc = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="auto",
                                                max_memory={0: "2GiB", "cpu": "96GiB"})

@@ -102,9 +102,9 @@ def test_qgemv_int4_quantization_error_is_small_vs_dense(stream, rng):
 # ------------------------------------------------------------------------------------- prefill GEMM
 
 @pytest.mark.parametrize("kind", ["int4", "mxfp4"])
-@pytest.mark.parametrize("route", ["in_register", "dense_cache"])
+@pytest.mark.parametrize("route", ["in_register", "dense_cache", "mma"])
 def test_qgemm_routes_at_llama_shapes(stream, rng, kind, route):
-    """qgemm, both routes, M = 77 prompt rows x [4096 -> 14336] with bias, against x · dequantized(W)ᵀ."""
+    """qgemm, every route, M = 77 prompt rows x [4096 -> 14336] with bias, against x · dequantized(W)ᵀ."""
     from vmmstream.kernels.matmul.quant import gemm as qgemm
     m, n, k = 77, I, H
     w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
@@ -119,6 +119,8 @@ def test_qgemm_routes_at_llama_shapes(stream, rng, kind, route):
     launch = qgemm.qgemm_int4 if kind == "int4" else qgemm.qgemm_mxfp4
     launch(*args, bias=to_dev(bias, stream), route=route, workspace=ws, stream=stream)
     assert_close(get(out, stream), wf, x, bias)
+    if route == "mma":
+        assert qgemm.choose_route(m, n, k, kind) == "mma"          # the route a model's prefill takes on a GPU
 
 
 @functools.lru_cache(maxsize=None)

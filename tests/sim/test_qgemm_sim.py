@@ -136,8 +136,7 @@ def test_dense_cache_requirement_is_session_and_matches_layout():
         assert req.lifetime is Lifetime.SESSION
         assert req.bytes == qgemm._layout(n, k, "dense_cache").total == align_up(n * k * 2)
         assert req.bytes % ALIGN == 0 and req.bytes >= n * k * 2
-        assert qgemm.workspace_requirement(m, n, k, fmt) == req            # M >= 64 chooses the cache
-        assert qgemm.workspace_requirement(3, n, k, fmt) == NONE           # small M: in registers
+        assert qgemm.workspace_requirement(m, n, k, fmt) == NONE           # the cache is never chosen
         assert qgemm.workspace_requirement(m, n, k, fmt, route="in_register") == NONE
 
 
@@ -180,13 +179,30 @@ def test_fill_false_reuses_filled_cache(fmt):
 
 
 def test_choose_route_rule():
+    """The simulator takes in_register whatever the shape (a GPU takes mma: tests/gpu/test_load_model_gpu.py)."""
     for fmt in ("int4", "mxfp4"):
-        assert qgemm.choose_route(1, 4096, 4096, fmt) == "in_register"
-        assert qgemm.choose_route(qgemm.DENSE_CACHE_MIN_M - 1, 4096, 4096, fmt) == "in_register"
-        assert qgemm.choose_route(qgemm.DENSE_CACHE_MIN_M, 4096, 4096, fmt) == "dense_cache"
-        assert qgemm.choose_route(2048, 14336, 4096, fmt) == "dense_cache"
+        for m in (1, 63, 64, 2048):
+            assert qgemm.choose_route(m, 4096, 4096, fmt) == "in_register"
+            assert qgemm.workspace_requirement(m, 4096, 4096, fmt, route="mma") == NONE
     with pytest.raises(ValueError, match="format"):
         qgemm.choose_route(1, 8, 128, "fp8")
+
+
+MMA_CASES = [
+    ("int4", 17, 37, 256, True, np.float16),     # two groups (8 K steps), M and N partial, bias
+    ("int4", 3, 130, 128, False, np.float32),    # one group, two N tiles (the second clamped), fp32 scales
+    ("mxfp4", 70, 21, 64, True, None),           # two M tiles (the second partial), two blocks
+    ("mxfp4", 1, 9, 32, False, None),            # one block: a single K step
+]
+
+
+@pytest.mark.parametrize("fmt,m,n,k,bias,sdt", MMA_CASES)
+def test_qgemm_tensor_core_route_matches_reference(fmt, m, n, k, bias, sdt):
+    """W decoded to bf16 in the load path, multiplied on the (emulated) tensor cores: the dense-cache numbers."""
+    qw, x, bb = make_case(m * 1000 + n * 10 + k, fmt, m, n, k, bias, sdt or np.float16)
+    out = cuda.device_array((m, n), np.uint16)
+    launch(fmt, qw, x, out, bb, route="mma", workspace=None)
+    check(out.copy_to_host(), x, qw, fmt, bb, "mma")
 
 
 def test_default_route_small_m_needs_no_workspace():
@@ -248,4 +264,5 @@ def test_qgemm_formulas_and_exports():
     assert qgemm.bytes_moved(m, n, k, "mxfp4", "in_register", bias=True) == n * k // 2 + n * k // 32 + io + 2 * n
     assert qgemm.bytes_moved(m, n, k, "int4", "dense_cache", fill=False) == io + 2 * n * k
     assert qgemm.bytes_moved(m, n, k, "mxfp4", "dense_cache") == io + 2 * n * k + n * k // 2 + n * k // 32 + 2 * n * k
-    assert qgemm.bytes_moved(m, n, k, "int4") == qgemm.bytes_moved(m, n, k, "int4", "dense_cache")
+    assert qgemm.bytes_moved(m, n, k, "int4") == qgemm.bytes_moved(m, n, k, "int4", "in_register")
+    assert qgemm.bytes_moved(m, n, k, "int4", "mma") == qgemm.bytes_moved(m, n, k, "int4", "in_register")

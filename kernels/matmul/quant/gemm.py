@@ -1,5 +1,9 @@
 """Quantized prefill GEMM: y[M, N] = x[M, K] · W[N, K]ᵀ (+ bias[N]) with W stored int4 or MXFP4
-(``kernels/matmul/quant/formats.py`` layouts), fp32 accumulation, bf16 (uint16) out. Two routes:
+(``kernels/matmul/quant/formats.py`` layouts), fp32 accumulation, bf16 (uint16) out. Three routes:
+
+``mma`` (the default on a GPU; no workspace): ``gemm_mma.py``, bf16 tensor cores with W decoded to bf16 in the
+    load path (the ``dense_cache`` route's numbers, without the cache).
+
 
 ``in_register`` (``qgemm_int4`` / ``qgemm_mxfp4`` with ``route="in_register"``; no workspace)
     Tiled like ``gemm.py``: a 16×16 thread block computes a (16·tm)×(16·tm) tile of y, each thread a
@@ -32,7 +36,7 @@
     from the in-register route's by that rounding (``reference(..., route="dense_cache")`` models it
     exactly); MXFP4 values are exact in bf16.
 
-``choose_route`` picks between them (its docstring states the rule; a heuristic until measured on a GPU).
+``choose_route`` picks ``mma`` on a GPU and ``in_register`` in the simulator.
 x must be bf16 [M, K] with contiguous, 16-byte aligned rows (``vec8_ok``); packed W uint8 [N, K/2] with
 contiguous rows on 16-byte boundaries; K a positive multiple of 128 (int4) or 32 (MXFP4). There is no
 scalar fallback.
@@ -43,7 +47,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from numba import cuda
+from numba import config, cuda
 
 from vmmstream.kernels.base.jit import jit
 from vmmstream.kernels.matmul.dense import gemm as _gemm
@@ -53,13 +57,13 @@ from vmmstream.kernels.base.launch import (as_stream, cdiv, check_threads, check
 from vmmstream.kernels.matmul.quant.formats import INT4, INT4_GROUP, MX_BLOCK, MXFP4, dequantize_int4, dequantize_mxfp4
 from vmmstream.kernels.base.workspace import NONE, Lifetime, WorkspaceRequirement, layout
 
-CAPTURE_SAFE = True   # both routes: launches only (no allocation, no synchronize), device arrays only
+CAPTURE_SAFE = True   # every route: launches only (no allocation, no synchronize), device arrays only
 BK = 32               # K per step of the in-register kernel: one MXFP4 block, a quarter of an int4 group
 TM_DEFAULT = 4        # 64×64 tiles, like gemm.py
 FORMATS = {"int4": INT4, "mxfp4": MXFP4}
-IN_REGISTER, DENSE_CACHE = "in_register", "dense_cache"
-ROUTES = (IN_REGISTER, DENSE_CACHE)
-DENSE_CACHE_MIN_M = 64   # choose_route: M at or above this takes the dense cache (one full 64-row M tile)
+IN_REGISTER, DENSE_CACHE, MMA = "in_register", "dense_cache", "mma"
+ROUTES = (IN_REGISTER, DENSE_CACHE, MMA)
+SIM = bool(config.ENABLE_CUDASIM)
 EXPAND_THREADS = 256
 
 
@@ -214,21 +218,15 @@ def _group(kind: int) -> int:
 
 
 def choose_route(M: int, N: int, K: int, fmt: str) -> str:
-    """``in_register`` for M < 64, ``dense_cache`` for M >= 64 (``DENSE_CACHE_MIN_M``), both formats.
-
-    Why: below one full 64-row M tile the GEMM is bound by reading W, and the in-register kernel reads
-    it at 4 bits a value (plus scales), a quarter of the bytes of the bf16 cache, with no session memory;
-    its decode is a few integer ops per value, once per (N tile, M tile). From 64 rows on, every W tile
-    loaded feeds a full M tile, both kernels are bound by the FMAs, and the in-register kernel decodes all
-    of W again for each 64-row M tile (⌈M/64⌉ times per launch) while the cache decodes it once per
-    session and the dense GEMM's inner loop carries no decode. The threshold is a heuristic from that
-    reasoning, not a measurement: it is to be set on a GPU. The rule ignores the price of the cache, N·K·2
-    session bytes per weight (four times the quantized weight): a planner that cannot afford it passes
-    ``route="in_register"`` explicitly. N and K do not enter the rule yet."""
+    """``mma`` (tensor cores, W decoded in the load path, no workspace; ``gemm_mma.py``) on a GPU, for every
+    shape: it reads W at 4 bits a value like ``in_register`` and multiplies on the tensor cores. The simulator
+    takes ``in_register`` (its emulated mma is slow) unless a route is named. ``dense_cache`` (a session-long
+    bf16 copy of W, four times the quantized bytes) is never chosen here: a caller that can afford the cache
+    names it."""
     _kind(fmt)
     if M < 0 or N < 0 or K < 0:
         raise ValueError(f"choose_route: negative shape M={M} N={N} K={K}")
-    return DENSE_CACHE if M >= DENSE_CACHE_MIN_M else IN_REGISTER
+    return IN_REGISTER if SIM else MMA
 
 
 def _route(M, N, K, fmt, route):
@@ -240,7 +238,7 @@ def _route(M, N, K, fmt, route):
 
 def _layout(N: int, K: int, route: str):
     """The one layout both ``workspace_requirement`` and the launch use: the dense bf16 [N, K] cache."""
-    if route == IN_REGISTER:
+    if route in (IN_REGISTER, MMA):
         return layout()
     if route != DENSE_CACHE:
         raise ValueError(f"unknown qgemm route {route!r}; expected one of {ROUTES}")
@@ -340,6 +338,10 @@ def _launch(name, kind, packed, scales, zeros, x, out, bias, route, workspace, f
     route = _route(m, n, k, fmt, route)
     lay = _layout(n, k, route)
     check_workspace(f"{name}[{route}]", workspace, lay.total)
+    if route == MMA:
+        from vmmstream.kernels.matmul.quant import gemm_mma
+        gemm_mma.launch(kind, x, packed, scales, zeros, out, bias=bias, stream=stream)
+        return
     if route == IN_REGISTER:
         if m and n:
             bm = 16 * tm
@@ -382,7 +384,7 @@ def dequantized(qw, fmt: str, route: str = IN_REGISTER) -> np.ndarray:
     """fp32 [N, K]: the weight each route multiplies by (``dense_cache``: rounded through bf16)."""
     kind = _kind(fmt)
     wf = dequantize_int4(*qw) if kind == INT4 else dequantize_mxfp4(*qw)
-    if route == DENSE_CACHE:
+    if route in (DENSE_CACHE, MMA):
         return bf16_to_f32(f32_to_bf16(wf))
     if route != IN_REGISTER:
         raise ValueError(f"unknown qgemm route {route!r}; expected one of {ROUTES}")
@@ -414,7 +416,7 @@ def bytes_moved(M: int, N: int, K: int, fmt: str, route: str | None = None, *, b
     kind = _kind(fmt)
     route = _route(M, N, K, fmt, route)
     io = 2 * M * K + 2 * M * N + (2 * N if bias else 0)
-    if route == IN_REGISTER:
+    if route in (IN_REGISTER, MMA):
         return _weight_bytes(N, K, kind, scale_itemsize) + io
     return io + 2 * N * K + ((_weight_bytes(N, K, kind, scale_itemsize) + 2 * N * K) if fill else 0)
 

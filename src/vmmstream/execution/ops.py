@@ -447,13 +447,13 @@ class CudaOps:
     def gemm(self, s, x, w, out, bias=None):
         self.launches += 1
         if _is_q(w):
-            # prefill over quantized weights: the GEMM that dequantizes its W tiles in registers (no cache)
+            # prefill over quantized weights: W decoded in the load path, no cache (tensor cores on a GPU)
             from vmmstream.kernels.matmul.quant import gemm as qgemm
+            route = qgemm.choose_route(x.shape[0], w.packed.shape[0], x.shape[1], w.kind)
             if w.kind == "int4":
-                qgemm.qgemm_int4(w.packed, w.scales, w.zeros, x, out, bias=bias, route=qgemm.IN_REGISTER,
-                                 stream=self._s(s))
+                qgemm.qgemm_int4(w.packed, w.scales, w.zeros, x, out, bias=bias, route=route, stream=self._s(s))
             else:
-                qgemm.qgemm_mxfp4(w.packed, w.scales, x, out, bias=bias, route=qgemm.IN_REGISTER, stream=self._s(s))
+                qgemm.qgemm_mxfp4(w.packed, w.scales, x, out, bias=bias, route=route, stream=self._s(s))
         else:
             self.k["gemm"].gemm(x, w, out, bias=bias, stream=self._s(s))
 
