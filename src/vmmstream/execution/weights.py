@@ -26,6 +26,9 @@ from ..interrupts import uninterruptible
 
 EMBED = "model.embed_tokens.weight"
 _PROGRESS_MIN_BYTES = 64 << 20
+READERS = 4           # threads reading the checkpoint (page-cache copies and disk reads in parallel)
+PIECE = 32 << 20      # bytes per read
+RING = 4              # staging slots a resident tensor's pieces rotate through
 
 
 
@@ -114,6 +117,8 @@ class Weights:
         host = [t for t in self.tensors.values() if t.where == "streamed" or t.name == EMBED]
         staging = max([t.payload for t in device if t.where == "resident" and t.name != EMBED]
                       + [t.payload for t in self.tensors.values() if t.where == "expert"] + [0])
+        # the read ring (_load_plain): up to RING pieces, never more than there is to stage
+        staging = max(staging, min(RING * PIECE, sum(t.payload for t in device if t.where == "resident")))
         offsets, off = {}, 0
         for t in host:
             offsets[t.name] = off
@@ -190,8 +195,13 @@ class Weights:
                 place(t, out.ctypes.data)
 
         from ..model import iter_load
+        plain = [i for i in infos if self._plain(i)]
+        done = self._load_plain(plain, stage_ptr, stage_bytes, report, total) if plain else 0
+        infos = [i for i in infos if not self._plain(i)]
+        slow_report = None if report is None else \
+            (lambda d, tot, info, final=False: report(done + d, total, info, final=final))
         try:
-            for info in iter_load(infos, buffer_for, progress=report):
+            for info in iter_load(infos, buffer_for, progress=slow_report):
                 t = self.tensors[info.name]
                 if info.name in temp:
                     raw = temp.pop(info.name)
@@ -215,6 +225,81 @@ class Weights:
                 report.close()           # a bar left open on an error would keep its line
         if report is not None:
             report(total, total, None, final=True)
+
+    def _plain(self, info) -> bool:
+        """A tensor whose checkpoint bytes are its payload as they are (bf16, not quantized)."""
+        t = self.tensors[info.name]
+        return info.dtype == "BF16" and t.qlayout is None and info.nbytes == t.payload and info.file is not None
+
+    def _device_addr(self, t: Tensor) -> int | None:
+        if t.where == "resident":
+            return t.block.va
+        if t.where == "expert":
+            r = self.experts.loc[t.unit]
+            return self.experts.pool_va(r) + t.unit_off if r >= 0 else None
+        return None
+
+    def _load_plain(self, infos, stage_ptr: int, stage_bytes: int, report, total: int) -> int:
+        """Read bf16 tensors on ``READERS`` threads, in pieces of at most ``PIECE`` bytes, file then offset order:
+        pieces of tensors kept in pinned host memory land in place; the others land in a ring of ``RING``
+        slots of the staging area and are copied to their device home as they arrive, a slot reused once its
+        copy is done (an event), so reading, copying and the next reads overlap. Returns the bytes read."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from ..model.checkpoint import open_regular, pread_into
+        d = self.driver
+        piece = max(1, min(PIECE, stage_bytes // RING)) if stage_bytes else PIECE
+        todo = []
+        for info in sorted(infos, key=lambda i: (i.file, i.offset)):
+            for off in range(0, info.nbytes, piece):
+                todo.append((info, off, min(piece, info.nbytes - off)))
+        files, events, pending = {}, [], []
+        slot_event = [None] * RING
+        nxt_slot, done = 0, 0
+        pool = ThreadPoolExecutor(max_workers=READERS)
+        try:
+            for info in {i.file: i for i in infos}.values():
+                files[info.file] = open_regular(info.file)
+            i = 0
+            while i < len(todo) or pending:
+                while i < len(todo) and len(pending) < RING:
+                    info, off, n = todo[i]
+                    t = self.tensors[info.name]
+                    slot = None
+                    if t.host is not None:
+                        dst = t.host + off
+                    else:
+                        slot, nxt_slot = nxt_slot, (nxt_slot + 1) % RING
+                        if slot_event[slot] is not None:
+                            d.event_synchronize(slot_event[slot])      # the slot's last copy is done
+                        dst = stage_ptr + slot * piece
+                    fut = pool.submit(pread_into, files[info.file], info, off, dst, n)
+                    pending.append((fut, info, off, n, dst, slot))
+                    i += 1
+                fut, info, off, n, src, slot = pending.pop(0)
+                fut.result()
+                t = self.tensors[info.name]
+                dev = self._device_addr(t)
+                if dev is not None:
+                    d.memcpy_htod_async(dev + off, src, n, self.stream)
+                    if slot is not None:
+                        if slot_event[slot] is None:
+                            slot_event[slot] = d.event_create(False)
+                            events.append(slot_event[slot])
+                        d.event_record(slot_event[slot], self.stream)
+                done += n
+                if report is not None:
+                    report(done, total, info)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)   # no thread writes into the staging area after this
+            for f in files.values():
+                f.close()
+            try:
+                d.stream_synchronize(self.stream)             # no copy reads the staging area after this
+            finally:
+                for ev in events:
+                    d.event_destroy(ev)
+        return done
 
     # -- access --
     def array(self, name: str):

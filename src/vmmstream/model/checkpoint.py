@@ -13,6 +13,7 @@ size-checked, never blocking) and every name from the index through ``_check_sha
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import reprlib
@@ -480,6 +481,31 @@ def _read_into(f, info: TensorInfo, view: memoryview) -> None:
             raise CheckpointError(f"{info.file} is truncated: tensor {info.name} needs {info.nbytes} bytes at "
                                   f"offset {info.offset}, only {got} were there")
         got += n
+
+
+def open_regular(path):
+    """A checkpoint data file opened for reading (a ``CheckpointError`` unless it is a regular file)."""
+    return _open_regular(path)
+
+
+def pread_into(f, info: TensorInfo, off: int, addr: int, n: int) -> None:
+    """Bytes ``off .. off + n`` of tensor ``info`` from the open file ``f`` into host memory at ``addr``, without
+    moving the file position (``os.preadv``), so several threads may read one file at once."""
+    if off < 0 or n < 0 or off + n > info.nbytes:
+        raise CheckpointError(f"tensor {info.name}: bytes {off}..{off + n} are outside its {info.nbytes}")
+    view = memoryview((ctypes.c_uint8 * n).from_address(addr)).cast("B") if n else memoryview(b"")
+    fd, got = f.fileno(), 0
+    while got < n:
+        if hasattr(os, "preadv"):
+            k = os.preadv(fd, [view[got:]], info.offset + off + got)
+        else:                                   # pragma: no cover - platforms without preadv
+            data = os.pread(fd, n - got, info.offset + off + got)
+            k = len(data)
+            view[got:got + k] = data
+        if not k:
+            raise CheckpointError(f"{info.file} is truncated: tensor {info.name} needs {info.nbytes} bytes at "
+                                  f"offset {info.offset}, only {off + got} were there")
+        got += k
 
 
 def _first(items, k: int = 5) -> str:
