@@ -7,9 +7,12 @@ a folder of ours::
 
 ``<tag>`` hashes the source of every kernel module (the kernel and every device helper it inlines), the versions
 of numba-cuda and Numba, and Python's: a changed kernel lands in a new folder and is compiled again. Inside a
-folder numba-cuda keys each entry by argument types, compute capability and CUDA runtime version, so another GPU
-recompiles too; this module adds the values the kernel closes over (the parameters its factory specialized it
-on), so ``_make(vec=8)`` and ``_make(vec=4)`` are two entries of one index. A kernel that closes over something
+folder each entry is keyed by argument types, compute capability and CUDA runtime version (numba-cuda's key), so
+another GPU recompiles too, and by what this module adds: the kernel's bytecode, the values it closes over (the
+parameters its factory specialized it on, so ``_make(vec=8)`` and ``_make(vec=4)`` are two entries) and its
+compile options (launch bounds, register cap, carveout). Each entry is a file named by a hash of its whole key
+that also holds the key, checked on load; there is no shared index, so processes filling the folder at once
+cannot cross their entries. A kernel that closes over something
 whose value cannot be fingerprinted (an object without a stable description) is compiled per process, as without
 the cache. The cache holds PTX and cubins: a hit skips Numba's typing, lowering and the PTX-to-cubin link.
 
@@ -112,16 +115,27 @@ def _describe(v, depth: int = 0) -> str:
     raise Uncachable(f"cannot fingerprint a {type(v).__module__}.{type(v).__qualname__}")
 
 
+def _code_hash(code) -> str:
+    """The bytecode, names and constants of ``code`` and of the code objects nested in it."""
+    h = hashlib.sha256(code.co_code)
+    h.update(repr(code.co_names).encode())
+    for c in code.co_consts:
+        h.update((_code_hash(c) if isinstance(c, types.CodeType) else f"{type(c).__name__}:{c!r}").encode())
+    return h.hexdigest()[:16]
+
+
 def _function(fn, depth: int = 0) -> str:
     code = fn.__code__
     cells = fn.__closure__ or ()
     inner = ",".join(_describe(c.cell_contents, depth) for c in cells)
-    return f"{fn.__module__}.{fn.__qualname__}@{code.co_firstlineno}[{inner}]"
+    return f"{fn.__module__}.{fn.__qualname__}@{code.co_firstlineno}:{_code_hash(code)}[{inner}]"
 
 
-def closure_key(fn) -> str:
-    """The fingerprint of what ``fn`` closes over (its code is covered by :func:`source_tag`)."""
-    return hashlib.sha256(_function(fn).encode()).hexdigest()
+def closure_key(fn, options=None) -> str:
+    """The fingerprint of ``fn``'s code and of what it closes over, and of the compile ``options`` (launch bounds,
+    register cap, carveout: a factory parameter that only reaches the decorator is no closure value)."""
+    extra = "" if options is None else repr(sorted((k, repr(v)) for k, v in options.items()))
+    return hashlib.sha256((_function(fn) + extra + f"|opt={config.OPT}").encode()).hexdigest()
 
 
 if not SIM:
@@ -145,15 +159,47 @@ if not SIM:
 
         @classmethod
         def from_function(cls, py_func, py_file):
-            self = cls(py_func, cache_dir())
-            try:
-                self.ensure_cache_path()
-            except OSError:                 # not writable: compile per process
-                return None
-            return self
+            return cls(py_func, cache_dir())     # the folder is made when an entry is first saved
 
     class _Impl(CUDACacheImpl):
         _locator_classes = [_Locator]
+
+    class _KeyedFiles:
+        """One file per entry, named by a hash of its full key and holding the key beside the kernel; a load
+        checks the key. No shared index, so processes filling the folder at once never point one key at
+        another's data (each write is a temporary file renamed into place)."""
+
+        def __init__(self, path: str, base: str, stamp):
+            self._path, self._base, self._stamp = path, base, stamp
+
+        def _name(self, key) -> str:
+            digest = hashlib.sha256(repr((self._stamp, key)).encode()).hexdigest()[:32]
+            return os.path.join(self._path, f"{self._base}.{digest}.nbc")
+
+        def save(self, key, data) -> None:
+            import pickle
+            import uuid
+            path = self._name(key)
+            tmp = f"{path}.tmp.{uuid.uuid4().hex[:16]}"
+            try:
+                with open(tmp, "wb") as f:
+                    pickle.dump((repr((self._stamp, key)), data), f, protocol=pickle.HIGHEST_PROTOCOL)
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+
+        def load(self, key):
+            import pickle
+            try:
+                with open(self._name(key), "rb") as f:
+                    stored, data = pickle.load(f)
+            except FileNotFoundError:
+                return None
+            return data if stored == repr((self._stamp, key)) else None
+
+        def flush(self) -> None:
+            pass
 
     class _Cache(CUDACache):
         _impl_class = _Impl
@@ -161,12 +207,25 @@ if not SIM:
         def __init__(self, py_func, key: str):
             self._closure = key
             super().__init__(py_func)
+            self._cache_file = _KeyedFiles(self._cache_path, self._impl.filename_base, source_tag())
 
         def _index_key(self, sig, codegen):
             key = (sig, codegen.magic_tuple(), numba_cuda.__version__, self._closure)
             if self._launch_config_key is not None:
                 key += (("launch_config", self._launch_config_key),)
             return key
+
+        def load_overload(self, sig, target_context):
+            try:
+                return super().load_overload(sig, target_context)
+            except Exception:               # a damaged or foreign entry: compile instead
+                return None
+
+        def save_overload(self, sig, data):
+            try:
+                super().save_overload(sig, data)
+            except OSError:                 # a folder that cannot be written: this process compiles, as without
+                self.disable()
 
 
 _made: weakref.WeakSet = weakref.WeakSet()       # every dispatcher made here, for stats()
@@ -184,7 +243,7 @@ def jit(fn=None, **options):
     if not enabled():
         return d
     try:
-        d._cache = _Cache(fn, closure_key(fn))
+        d._cache = _Cache(fn, closure_key(fn, getattr(d, "targetoptions", options)))
     except (Uncachable, RuntimeError, OSError):
         pass                                # compiled per process, as without the cache
     return d

@@ -40,8 +40,8 @@ _wait0, _wait1 = cp_async_waiter(0), cp_async_waiter(1)
 
 
 def usable(x, w) -> bool:
-    """Can this kernel take these operands? K a multiple of 32, rows contiguous and 16-byte aligned."""
-    return x.shape[1] % BK == 0 and vec8_ok(x, w)
+    """Can this kernel take these operands? K a positive multiple of 32, rows contiguous and 16-byte aligned."""
+    return x.shape[1] > 0 and x.shape[1] % BK == 0 and vec8_ok(x, w)
 
 
 @cuda.jit(device=True, inline="always")

@@ -57,9 +57,13 @@ class Engine:
         self.memory, self.driver, self.holder = memory, memory.driver, holder
         self.config, self.plan = config, plan
         self.graphs: dict = {}
+        self.prefill_graphs: dict = {}     # padded prompt length -> its captured prefill
+        self._prefill_seen: set = set()
+        self._prefill_copies: dict = {}
         self.counters = dict(prefill_tokens=0, decode_tokens=0, generate_calls=0, eager_steps=0,
                              page_ins=0, page_in_bytes=0, h2d_ms=0.0, h2d_timed_bytes=0, decode_ms=0.0,
-                             decode_timed_tokens=0, vmm_calls_decode=0, graph_captures=0, graph_replays=0)
+                             decode_timed_tokens=0, vmm_calls_decode=0, graph_captures=0, graph_replays=0,
+                             prefill_graph_captures=0, prefill_graph_replays=0)
         self.ops = self.S = self.C = None
         self.weights = self.kv = self.acts = self.ws_session = None
         self.streamer = self.step = None
@@ -222,9 +226,79 @@ class Engine:
                 self._tev = (self.driver.event_create(True), self.driver.event_create(True))
         return self._tev
 
+    # A short prompt is padded to a power of two (at least PREFILL_BUCKET_MIN tokens, at most PREFILL_GRAPH_MAX)
+    # and, from the second prompt of that padded length on, runs as one captured graph: a few hundred kernel
+    # launches from Python cost more than the work of a short prefill.
+    PREFILL_BUCKET_MIN = 16
+    PREFILL_GRAPH_MAX = 256
+
+    def prefill_extent(self, n: int) -> int:
+        """Positions a prefill of ``n`` tokens writes in the KV cache (padding included)."""
+        b = self._prefill_bucket(n)
+        return n if b is None else b
+
+    def _prefill_bucket(self, n: int):
+        """The padded length of a prompt of ``n`` tokens (the key of its prefill graph), or None: eager, unpadded.
+        Padding rows come after the prompt, so causal attention keeps them out of every prompt row; their keys
+        and values land at positions the decode overwrites before it reads them; the logits are taken from the
+        prompt's last row (gathered by index). Not for a mixture of experts (padding rows would be routed and
+        counted), nor with a step workspace (its address changes per call)."""
+        c, plan = self.config, self.plan
+        if c.is_moe or plan.workspace["step"] or n > self.PREFILL_GRAPH_MAX:
+            return None
+        b = max(self.PREFILL_BUCKET_MIN, 1 << max(0, n - 1).bit_length())
+        return b if b <= min(self.acts.tmax, plan.max_context, self.PREFILL_GRAPH_MAX) else None
+
+    def _prefill_padded(self, ids, b: int, sampling) -> None:
+        """Prefill ``ids`` padded to ``b`` tokens: eagerly the first time this length is seen (which compiles
+        and loads every kernel it needs), then captured once and replayed."""
+        n = len(ids)
+        padded = np.zeros(b, np.int32)
+        padded[:n] = ids
+        self._h2d(self.acts.addr("ids"), "ids", padded)
+        self._h2d(self.acts.addr("pos"), "pos", np.arange(b, dtype=np.int32))
+        self._set_scalars(token=n - 1, position=n - 1, length=n)     # inp = the prompt's last row: the gather index
+        last = self.acts.views(1).inp
+
+        def body(timed):
+            self.streamer.begin(timed=timed)
+            self.step.body(b, decode=False, start_pos=0, last=last)
+            self.streamer.end()
+
+        g = self.prefill_graphs.get(b)
+        if g is None and b in self._prefill_seen:
+            before = self.streamer.issued
+            g = DecodeGraph(self.driver, self.S, lambda: body(False), key=("prefill", b))
+            self._prefill_copies[b] = self.streamer.issued - before
+            self.prefill_graphs[b] = g
+            self.counters["prefill_graph_captures"] += 1
+        self._prefill_seen.add(b)
+        if g is None:
+            def enqueue():
+                body(True)
+                self.step.select(sampling)
+                self.step.advance()
+            self._eager(enqueue)
+        else:
+            g.replay()
+            self.step.select(sampling)
+            self.step.advance()
+            self.driver.stream_synchronize(self.S)
+            copies = self._prefill_copies[b]
+            self.counters["prefill_graph_replays"] += 1
+            self.counters["page_ins"] += copies
+            if copies:
+                self.counters["page_in_bytes"] += self.weights.streamed_payload
+        self.counters["prefill_tokens"] += n
+
     def _prefill(self, ids, sampling) -> None:
-        """Eager prefill in chunks of the activation buffers' size; the last chunk selects the first new token."""
+        """Eager prefill in chunks of the activation buffers' size; the last chunk selects the first new token.
+        A short prompt takes ``_prefill_padded``."""
         plan, n = self.plan, len(ids)
+        b = self._prefill_bucket(n)
+        if b is not None:
+            self._prefill_padded(ids, b, sampling)
+            return
         tmax = self.acts.tmax
         self._free_leftover_workspace()
         ws_step, ws_view = None, None
@@ -296,9 +370,10 @@ class Engine:
                 attempt(d.stream_synchronize, s)
         if not mem.closed:
             attempt(self._free_leftover_workspace)
-        for g in self.graphs.values():
+        for g in list(self.graphs.values()) + list(self.prefill_graphs.values()):
             attempt(g.close)
         self.graphs.clear()
+        self.prefill_graphs.clear()
         if self.streamer is not None:
             attempt(self.streamer.close)
         if self._tev is not None:
@@ -357,7 +432,7 @@ class Run:
         self.done = self.finished = self.failed = False
         self._vmm = 0
         self._timed_ms, self._timed = 0.0, 0
-        e.kv.ensure(self.n + self.m)           # the only VMM calls of a run
+        e.kv.ensure(max(self.n + self.m, e.prefill_extent(self.n)))   # the only VMM calls of a run
         if sampling is not None:
             from vmmstream.kernels.ops.sampling import make_rng_state
             e._h2d(e.acts.addr("rng"), "rng", make_rng_state(seed))

@@ -130,8 +130,9 @@ class Step:
         launch()
         self.streamer.after(names)
 
-    def body(self, t: int, *, decode: bool, start_pos: int = 0, ws_step=None) -> None:
-        """Embedding, every layer and the logits of the last token, for ``t`` tokens."""
+    def body(self, t: int, *, decode: bool, start_pos: int = 0, ws_step=None, last=None) -> None:
+        """Embedding, every layer and the logits of the last token, for ``t`` tokens. ``last`` (prefill): a device
+        int32[1] holding the row whose logits are wanted (a padded prompt's last real row), else row t - 1."""
         self._ws_step = ws_step
         o, S, c, W = self.ops, self.S, self.c, self.w.array
         a = self.acts.views(t)
@@ -170,8 +171,14 @@ class Step:
             nxt = (f"model.layers.{layer + 1}.input_layernorm.weight" if layer + 1 < c.num_hidden_layers
                    else "model.norm.weight")
             self._use([nxt], lambda: o.rmsnorm(S, a.proj, W(nxt), a.xn, self.eps, residual=a.x))
-        last = a.xn if decode else a.xn_last
-        self._use([self.head], lambda: o.gemv(S, W(self.head), last, a.logits))
+        if decode:
+            row = a.xn
+        elif last is not None:          # gather the wanted row into the (free by now) projection buffer
+            row = self.acts.views(1).proj
+            o.embedding(S, a.xn, last, row)
+        else:
+            row = a.xn_last
+        self._use([self.head], lambda: o.gemv(S, W(self.head), row, a.logits))
 
     def _mlp(self, p, a, mm, decode) -> None:
         """proj = (silu(xn · Wgᵀ) * (xn · Wuᵀ)) · Wdᵀ."""
