@@ -456,6 +456,39 @@ def test_chunked_prefill_equals_one_chunk_and_eos_stops(tiny):
         mem.close()
 
 
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    return make_checkpoint("small", tmp_path_factory.mktemp("small"), seed=5)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_short_prompts_padded_and_replayed_as_a_graph_equal_the_eager_prefill(small, streamed, monkeypatch):
+    """A short prompt runs padded to a power of two, eagerly the first time, then as a captured graph: the tokens
+    and the first logits equal the unpadded eager prefill's, streamed too (the graph holds the slot copies).
+    (head_dim 64: a fused attention route, no step workspace; the tiny presets' head_dim 16 prefills eagerly.)"""
+    fits, half, _ = budgets(small)
+    budget = half if streamed else fits
+    prompts = [PROMPT, [5], list(range(2, 19)), PROMPT[::-1], [9, 8], list(range(30, 47))]   # buckets 16, 16, 32, ...
+
+    def answers():
+        mem = memory(budget)
+        try:
+            with vmmstream.load_model(small, memory=mem, max_context=MC) as m:
+                assert (m.plan.strategy == "streamed") == streamed
+                out = [m.generate(p, 6, return_logits=True) for p in prompts]
+                return [(ids, lg[0]) for ids, lg in out], m.stats()
+        finally:
+            mem.close()
+    graphed, s = answers()
+    assert s["prefill_graph_captures"] == 2 and s["prefill_graph_replays"] == 4    # 16: 3 of 4 prompts; 32: 1 of 2
+    monkeypatch.setattr("vmmstream.execution.engine.Engine.PREFILL_GRAPH_MAX", 0)
+    eager, s2 = answers()
+    assert s2["prefill_graph_captures"] == 0
+    for (a, la), (b, lb) in zip(graphed, eager):
+        assert a == b
+        np.testing.assert_array_equal(la, lb)
+
+
 def test_kv_views_are_made_once_and_are_the_layout_s_slices(tiny):
     """Each layer's K/V views (made once at load from their addresses) are exactly the slices of the
     position-major cache [S, layers, 2, Hkv, D] that the kernels read; a call hands out the same objects."""
