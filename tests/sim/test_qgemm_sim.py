@@ -189,8 +189,8 @@ def test_choose_route_rule():
 
 
 MMA_CASES = [
-    ("int4", 17, 37, 256, True, np.float16),     # two groups (8 K steps), M and N partial, bias
-    ("int4", 3, 130, 128, False, np.float32),    # one group, two N tiles (the second clamped), fp32 scales
+    ("int4", 17, 130, 128, True, np.float16),    # one group (4 K steps), M partial, two N tiles (the second
+                                                 # clamped), bias
     ("mxfp4", 70, 21, 64, True, None),           # two M tiles (the second partial), two blocks
     ("mxfp4", 1, 9, 32, False, None),            # one block: a single K step
 ]
