@@ -11,12 +11,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
-                          MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM)
+                          MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
 
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM, {}),
          "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 4096}),
          "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": False}),
          "qwen2-tied": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True}),
+         "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"tie_word_embeddings": False}),
          # mixtures of experts: 6 experts, top-2; the expert size is Mixtral's intermediate_size
          "mixtral": (MixtralConfig, MixtralForCausalLM, {"num_local_experts": 6, "num_experts_per_tok": 2}),
          "qwen2-moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM,
@@ -42,6 +44,10 @@ def build_reference(arch: str, seed: int, out, common: dict, prompt: list[int], 
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0.0, 0.1)
+        if arch.startswith("qwen3"):      # q/k norm weights: random around 1 (transformers sets them to ones)
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
+                layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
         for layer in model.model.layers:   # routers: decisive top-k choices, not near-uniform softmaxes
             if hasattr(layer.mlp, "experts"):
                 layer.mlp.gate.weight.mul_(20.0)

@@ -68,6 +68,27 @@ def test_qwen2_has_qkv_biases_and_ignores_an_unused_window():
     assert ModelConfig.from_dict({**QWEN2, "use_sliding_window": True}).sliding_window == 131072
 
 
+QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024,
+         "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+         "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000, "max_position_embeddings": 40960,
+         "tie_word_embeddings": True, "attention_bias": False, "use_sliding_window": False,
+         "sliding_window": None, "torch_dtype": "bfloat16", "hidden_act": "silu"}
+
+
+def test_qwen3_has_per_head_qk_norms_read_before_o_proj():
+    c = ModelConfig.from_dict(QWEN3)                 # Qwen3-0.6B's shape: head_dim 128 over hidden 1024
+    assert c.qk_norm and not c.attention_bias and c.head_dim == 128 and c.q_dim == 2048
+    names = [n.split("layers.2.")[1] for n in c.decode_schedule() if ".layers.2." in n]
+    assert names[:7] == ["input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                         "self_attn.v_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                         "self_attn.o_proj.weight"]
+    assert c.tensor_shapes()["model.layers.2.self_attn.k_norm.weight"] == (128,)
+    assert not ModelConfig.from_dict(MISTRAL).qk_norm
+    with pytest.raises(UnsupportedModelError, match="attention_bias"):
+        ModelConfig.from_dict({**QWEN3, "attention_bias": True})
+    assert ModelConfig.from_dict(c.to_hf_dict()) == c
+
+
 def test_defaults_kv_heads_and_head_dim():
     d = {k: v for k, v in MISTRAL.items() if k not in ("num_key_value_heads", "sliding_window")}
     c = ModelConfig.from_dict(d)

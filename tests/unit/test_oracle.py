@@ -39,7 +39,7 @@ def _build(arch, seed, out):
     return build_reference(arch, seed, out, COMMON, PROMPT, NEW)
 
 
-SEEDS = {"llama": 0, "mistral": 3, "qwen2": 1, "qwen2-tied": 0}
+SEEDS = {"llama": 0, "mistral": 3, "qwen2": 1, "qwen2-tied": 0, "qwen3": 2}
 
 
 @pytest.fixture(scope="module", params=list(SEEDS))

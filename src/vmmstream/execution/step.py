@@ -88,6 +88,8 @@ class Activations:
             v["k3"] = self.ops.view(self.addr("k"), (t, c.num_key_value_heads, c.head_dim), np.uint16)
             v["v3"] = self.ops.view(self.addr("v"), (t, c.num_key_value_heads, c.head_dim), np.uint16)
             v["attn3"] = self.ops.view(self.addr("attn"), (t, c.num_attention_heads, c.head_dim), np.uint16)
+            v["qh"] = self.ops.view(self.addr("q"), (t * c.num_attention_heads, c.head_dim), np.uint16)
+            v["kh"] = self.ops.view(self.addr("k"), (t * c.num_key_value_heads, c.head_dim), np.uint16)
             if c.is_moe:
                 k = c.num_experts_per_tok
                 v["moe_y3"] = self.ops.view(self.addr("moe_y"), (t, k, c.hidden_size), np.float32)
@@ -155,6 +157,10 @@ class Step:
                 for wn, bn, out in qkv:
                     names = [wn] + ([bn] if bn else [])
                     self._use(names, lambda wn=wn, bn=bn, out=out: mm(out, W(wn), a.xn, W(bn) if bn else None))
+            if c.qk_norm:               # Qwen3: RMSNorm over each head of q and of k, before RoPE
+                qn, kn = p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"
+                self._use([qn, kn], lambda: (o.rmsnorm(S, a.qh, W(qn), a.qh, self.eps),
+                                             o.rmsnorm(S, a.kh, W(kn), a.kh, self.eps)))
             o.rope_kv_append(S, a.q3, a.k3, a.v3, self.kv.k(layer), self.kv.v(layer), pos, a.inv_freq)
             if decode:
                 o.attn_decode(S, a.q3, self.kv.k4(layer), self.kv.v4(layer), a.lens, a.attn3, self.ws_session)

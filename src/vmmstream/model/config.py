@@ -27,9 +27,11 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": ("qwen2", 32768),
     "MixtralForCausalLM": ("mixtral", 4096 * 32),
     "Qwen2MoeForCausalLM": ("qwen2_moe", 32768),
+    "Qwen3ForCausalLM": ("qwen3", 40960),
 }
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
 _QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+_QK_NORM = ("Qwen3ForCausalLM",)   # an RMSNorm over each head of q and k, before RoPE
 _BY_MODEL_TYPE = {mt: arch for arch, (mt, _) in ARCHITECTURES.items()}
 _LIMITS = {"num_hidden_layers": 1024, "num_experts": 4096, "num_experts_per_tok": 4096, "num_attention_heads": 4096, "num_key_value_heads": 4096, "head_dim": 4096}
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -117,6 +119,11 @@ class ModelConfig:
         return ARCHITECTURES[self.architecture][0]
 
     @property
+    def qk_norm(self) -> bool:
+        """Per-head RMSNorm of q and k (weights ``self_attn.q_norm`` / ``k_norm``, [head_dim]) before RoPE."""
+        return self.architecture in _QK_NORM
+
+    @property
     def q_dim(self) -> int:
         return self.num_attention_heads * self.head_dim
 
@@ -158,6 +165,9 @@ class ModelConfig:
             out[p + f"self_attn.{proj}_proj.weight"] = (rows, h)
             if self.attention_bias:
                 out[p + f"self_attn.{proj}_proj.bias"] = (rows,)
+        if self.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = (self.head_dim,)
+            out[p + "self_attn.k_norm.weight"] = (self.head_dim,)
         out[p + "self_attn.o_proj.weight"] = (h, self.q_dim)
         out[p + "post_attention_layernorm.weight"] = (h,)
         if not self.is_moe:
@@ -244,6 +254,8 @@ class ModelConfig:
         if arch == "LlamaForCausalLM" and (d.get("attention_bias") or d.get("mlp_bias")):
             raise UnsupportedModelError("Llama with attention_bias/mlp_bias (biases on o_proj and the MLP) is not "
                                         "supported; only Qwen2-style q/k/v biases are")
+        if arch == "Qwen3ForCausalLM" and d.get("attention_bias"):
+            raise UnsupportedModelError("Qwen3 with attention_bias (biases on q/k/v and o_proj) is not supported")
         heads = d["num_attention_heads"]
         head_dim = d.get("head_dim")
         if head_dim is None:
@@ -270,8 +282,9 @@ class ModelConfig:
                        moe_intermediate_size=d.get("moe_intermediate_size"),
                        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
                        shared_expert_intermediate_size=d.get("shared_expert_intermediate_size") or 0)
-        if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") and not d.get("use_sliding_window", False):
-            sliding = None      # Qwen2 records a window but only uses it with use_sliding_window
+        if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM") \
+                and not d.get("use_sliding_window", False):
+            sliding = None      # Qwen2 and Qwen3 record a window but only use it with use_sliding_window
         if arch == "LlamaForCausalLM":
             sliding = None
         try:
@@ -329,6 +342,9 @@ class ModelConfig:
             if self.model_type == "mixtral":
                 d.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
                          intermediate_size=self.moe_intermediate_size)
+        elif self.model_type == "qwen3":
+            d.update(attention_bias=False, use_sliding_window=self.sliding_window is not None,
+                     sliding_window=self.sliding_window, max_window_layers=self.num_hidden_layers)
         elif self.model_type == "qwen2_moe":
             d.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_hidden_layers,
                      num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
