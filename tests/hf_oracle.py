@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
                           MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM)
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM, {}),
          "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 4096}),
@@ -25,6 +25,9 @@ ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM, {}),
                        {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                         "shared_expert_intermediate_size": 96, "norm_topk_prob": False,
                         "tie_word_embeddings": False}),
+         "qwen3-moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                       {"num_experts": 8, "num_experts_per_tok": 4, "moe_intermediate_size": 64,
+                        "norm_topk_prob": True, "tie_word_embeddings": False}),
          "qwen2-moe-norm": (Qwen2MoeConfig, Qwen2MoeForCausalLM,
                             {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                              "shared_expert_intermediate_size": 96, "norm_topk_prob": True,

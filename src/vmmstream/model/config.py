@@ -28,10 +28,11 @@ ARCHITECTURES = {
     "MixtralForCausalLM": ("mixtral", 4096 * 32),
     "Qwen2MoeForCausalLM": ("qwen2_moe", 32768),
     "Qwen3ForCausalLM": ("qwen3", 40960),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", 40960),
 }
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 _QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
-_QK_NORM = ("Qwen3ForCausalLM",)   # an RMSNorm over each head of q and k, before RoPE
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")   # an RMSNorm over each head of q and k, before RoPE
 _BY_MODEL_TYPE = {mt: arch for arch, (mt, _) in ARCHITECTURES.items()}
 _LIMITS = {"num_hidden_layers": 1024, "num_experts": 4096, "num_experts_per_tok": 4096, "num_attention_heads": 4096, "num_key_value_heads": 4096, "head_dim": 4096}
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -254,7 +255,7 @@ class ModelConfig:
         if arch == "LlamaForCausalLM" and (d.get("attention_bias") or d.get("mlp_bias")):
             raise UnsupportedModelError("Llama with attention_bias/mlp_bias (biases on o_proj and the MLP) is not "
                                         "supported; only Qwen2-style q/k/v biases are")
-        if arch == "Qwen3ForCausalLM" and d.get("attention_bias"):
+        if arch in _QK_NORM and d.get("attention_bias"):
             raise UnsupportedModelError("Qwen3 with attention_bias (biases on q/k/v and o_proj) is not supported")
         heads = d["num_attention_heads"]
         head_dim = d.get("head_dim")
@@ -282,7 +283,16 @@ class ModelConfig:
                        moe_intermediate_size=d.get("moe_intermediate_size"),
                        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
                        shared_expert_intermediate_size=d.get("shared_expert_intermediate_size") or 0)
-        if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM") \
+        elif arch == "Qwen3MoeForCausalLM":
+            if d.get("decoder_sparse_step", 1) != 1 or d.get("mlp_only_layers"):
+                raise UnsupportedModelError(
+                    "Qwen3-MoE with dense layers (decoder_sparse_step != 1 or mlp_only_layers) is not supported; "
+                    "every layer must be sparse")
+            moe = dict(num_experts=d.get("num_experts", d.get("num_local_experts")),   # newer transformers
+                       num_experts_per_tok=d.get("num_experts_per_tok"),                 # write the second name
+                       moe_intermediate_size=d.get("moe_intermediate_size"),
+                       norm_topk_prob=bool(d.get("norm_topk_prob", True)))
+        if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") \
                 and not d.get("use_sliding_window", False):
             sliding = None      # Qwen2 and Qwen3 record a window but only use it with use_sliding_window
         if arch == "LlamaForCausalLM":
@@ -345,6 +355,11 @@ class ModelConfig:
         elif self.model_type == "qwen3":
             d.update(attention_bias=False, use_sliding_window=self.sliding_window is not None,
                      sliding_window=self.sliding_window, max_window_layers=self.num_hidden_layers)
+        elif self.model_type == "qwen3_moe":
+            d.update(attention_bias=False, use_sliding_window=False, sliding_window=None,
+                     max_window_layers=self.num_hidden_layers, num_experts=self.num_experts,
+                     num_experts_per_tok=self.num_experts_per_tok, moe_intermediate_size=self.moe_intermediate_size,
+                     norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
         elif self.model_type == "qwen2_moe":
             d.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_hidden_layers,
                      num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
