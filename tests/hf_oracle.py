@@ -34,8 +34,10 @@ ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM, {}),
                              "tie_word_embeddings": False})}
 
 
-def build_reference(arch: str, seed: int, out, common: dict, prompt: list[int], new: int, quantize=None):
-    """Write the checkpoint to ``out``; return (greedy tokens, fp32 logits [new, vocab]) of transformers.
+def build_reference(arch: str, seed: int, out, common: dict, prompt: list[int], new: int, quantize=None,
+                    dtype: str = "bfloat16"):
+    """Write the checkpoint to ``out`` (in ``dtype``: bf16, or float16 / float32, which load_model rounds to bf16
+    as it reads); return (greedy tokens, fp32 logits [new, vocab]) of transformers on the saved weights.
     ``quantize`` ("int4" | "mxfp4"): transformers runs on the weights vmmstream's ``quantize`` stores —
     each quantizable linear weight replaced by its exact fp32 dequantization."""
     cfg_cls, model_cls, extra = ARCHS[arch]
@@ -54,7 +56,7 @@ def build_reference(arch: str, seed: int, out, common: dict, prompt: list[int], 
         for layer in model.model.layers:   # routers: decisive top-k choices, not near-uniform softmaxes
             if hasattr(layer.mlp, "experts"):
                 layer.mlp.gate.weight.mul_(20.0)
-    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    model.to(getattr(torch, dtype)).save_pretrained(out, safe_serialization=True)
     ref = model_cls.from_pretrained(out, dtype=torch.float32).eval()
     if quantize is not None:
         from vmmstream.kernels.matmul.quant.formats import dequantize, quantize as quantize_weight
