@@ -35,10 +35,6 @@ COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_
               initializer_range=0.02, bos_token_id=1, eos_token_id=2)
 
 
-def _build(arch, seed, out):
-    return build_reference(arch, seed, out, COMMON, PROMPT, NEW)
-
-
 SEEDS = {"llama": 0, "mistral": 3, "qwen2": 1, "qwen2-tied": 0, "qwen3": 2,
          "llama/float16": 1, "qwen2/float32": 1}     # checkpoints saved in fp16 / fp32: rounded to bf16 at load
 # (the reference runs on the unrounded weights, so a near-tie can flip: seeds whose margins exceed that rounding)
