@@ -53,6 +53,77 @@ def _store(y, row, col, v, m, n, out_bf16):
             y[row, col] = v
 
 
+@cuda.jit(device=True, inline="always")
+def zero_rows(s, words, rows, r_lo, tid):
+    """Zero, in both stages of ``s`` (``words`` apart), the tile rows ``r >= r_lo`` among the ``rows`` (4 pieces
+    of 4 words each; piece c = tid + NT·u is row c >> 2): rows past M or N, which the copies never fill."""
+    for u in range(rows // 32):
+        c = tid + NT * u
+        r, q = c >> 2, c & 3
+        if r >= r_lo:
+            for st in range(2):
+                for e in range(4):
+                    s[st * words + r * P + 4 * q + e] = uint32(0)
+
+
+@cuda.jit(device=True, inline="always")
+def copy_rows(s, base, src, r0, k0, n_rows, rows, tid):
+    """``cp.async`` the tile ``src[r0 : r0 + rows, k0 : k0 + 32]`` (bf16) into ``s`` at word ``base``: row r at
+    ``base + r·P``, 16 bytes per piece; rows at or past ``n_rows`` are left alone."""
+    for u in range(rows // 32):
+        c = tid + NT * u
+        r, q = c >> 2, c & 3
+        if r0 + r < n_rows:
+            cp_async16(s, base + r * P + 4 * q, src, (r0 + r, k0 + 8 * q))
+
+
+@cuda.jit(device=True, inline="always")
+def mma_stage(a_s, ab, b_s, bb, acc, af, bf, wm, wn, g, t, mscr):
+    """One K step of 32 on this warp's 32 × 64 of the tile: A fragments from ``a_s`` at word ``ab``, B from ``b_s``
+    at ``bb`` (fragment layouts: ``base/mma.py``), 2 × 8 mma per k16 step into ``acc``."""
+    for kk in range(2):
+        for mt in range(2):
+            ra = ab + (wm + 16 * mt + g) * P + 8 * kk + t
+            af[4 * mt] = a_s[ra]
+            af[4 * mt + 1] = a_s[ra + 8 * P]
+            af[4 * mt + 2] = a_s[ra + 4]
+            af[4 * mt + 3] = a_s[ra + 8 * P + 4]
+        for nt in range(8):
+            rb = bb + (wn + 8 * nt + g) * P + 8 * kk + t
+            bf[2 * nt] = b_s[rb]
+            bf[2 * nt + 1] = b_s[rb + 4]
+        for mt in range(2):
+            for nt in range(8):
+                i = 4 * (8 * mt + nt)
+                acc[i], acc[i + 1], acc[i + 2], acc[i + 3] = mh.mma_bf16_16816(
+                    af[4 * mt], af[4 * mt + 1], af[4 * mt + 2], af[4 * mt + 3], bf[2 * nt], bf[2 * nt + 1],
+                    acc[i], acc[i + 1], acc[i + 2], acc[i + 3], mscr)
+
+
+@cuda.jit(device=True, inline="always")
+def epilogue(y, acc, bias, m0, n0, wm, wn, g, t, m, n, has_bias, out_bf16):
+    """This warp's accumulators (+ bias) to ``y``, rows and columns past M and N dropped."""
+    for mt in range(2):
+        r0 = m0 + wm + 16 * mt + g
+        r1 = r0 + 8
+        for nt in range(8):
+            c0 = n0 + wn + 8 * nt + 2 * t
+            c1 = c0 + 1
+            i = 4 * (8 * mt + nt)
+            v0, v1, v2, v3 = acc[i], acc[i + 1], acc[i + 2], acc[i + 3]
+            if has_bias:
+                b0 = dev_bf16_to_f32(bias[c0]) if c0 < n else float32(0.0)
+                b1 = dev_bf16_to_f32(bias[c1]) if c1 < n else float32(0.0)
+                v0 += b0
+                v1 += b1
+                v2 += b0
+                v3 += b1
+            _store(y, r0, c0, v0, m, n, out_bf16)
+            _store(y, r0, c1, v1, m, n, out_bf16)
+            _store(y, r1, c0, v2, m, n, out_bf16)
+            _store(y, r1, c1, v3, m, n, out_bf16)
+
+
 @functools.lru_cache(maxsize=None)
 def _make(has_bias: bool, out_bf16: bool):
     MS0, MS1 = mh.SIM_MMA_SCRATCH
@@ -70,98 +141,31 @@ def _make(has_bias: bool, out_bf16: bool):
         wm, wn = (warp & 1) * 32, (warp >> 1) * 64
         m0 = cuda.blockIdx.x * BM
         n0 = cuda.blockIdx.y * BN
-        # rows past M / N: zeros in both stages, never copied over
-        for u in range(2):
-            c = tid + NT * u
-            r, q = c >> 2, c & 3
-            if m0 + r >= m:
-                for s in range(2):
-                    for e in range(4):
-                        a_s[s * A_WORDS + r * P + 4 * q + e] = uint32(0)
-        for u in range(4):
-            c = tid + NT * u
-            r, q = c >> 2, c & 3
-            if n0 + r >= n:
-                for s in range(2):
-                    for e in range(4):
-                        b_s[s * B_WORDS + r * P + 4 * q + e] = uint32(0)
+        zero_rows(a_s, A_WORDS, BM, m - m0, tid)          # rows past M / N: zeros in both stages
+        zero_rows(b_s, B_WORDS, BN, n - n0, tid)
         acc = cuda.local.array(64, float32)
         for i in range(64):
             acc[i] = float32(0.0)
         af = cuda.local.array(8, uint32)
         bf = cuda.local.array(16, uint32)
         steps = k // BK
-        # stage 0
-        for u in range(2):
-            c = tid + NT * u
-            r, q = c >> 2, c & 3
-            if m0 + r < m:
-                cp_async16(a_s, r * P + 4 * q, x, (m0 + r, 8 * q))
-        for u in range(4):
-            c = tid + NT * u
-            r, q = c >> 2, c & 3
-            if n0 + r < n:
-                cp_async16(b_s, r * P + 4 * q, w, (n0 + r, 8 * q))
+        copy_rows(a_s, 0, x, m0, 0, m, BM, tid)              # stage 0
+        copy_rows(b_s, 0, w, n0, 0, n, BN, tid)
         cp_async_commit()
         for st in range(steps):
             cur = st & 1
             if st + 1 < steps:          # the next step's copies, into the other stage
-                k1 = (st + 1) * BK
                 nxt = 1 - cur
-                for u in range(2):
-                    c = tid + NT * u
-                    r, q = c >> 2, c & 3
-                    if m0 + r < m:
-                        cp_async16(a_s, nxt * A_WORDS + r * P + 4 * q, x, (m0 + r, k1 + 8 * q))
-                for u in range(4):
-                    c = tid + NT * u
-                    r, q = c >> 2, c & 3
-                    if n0 + r < n:
-                        cp_async16(b_s, nxt * B_WORDS + r * P + 4 * q, w, (n0 + r, k1 + 8 * q))
+                copy_rows(a_s, nxt * A_WORDS, x, m0, (st + 1) * BK, m, BM, tid)
+                copy_rows(b_s, nxt * B_WORDS, w, n0, (st + 1) * BK, n, BN, tid)
                 cp_async_commit()
                 _wait1()                # this step's group has landed (the next may still be in flight)
             else:
                 _wait0()
             cuda.syncthreads()
-            ab = cur * A_WORDS
-            bb = cur * B_WORDS
-            for kk in range(2):         # two k16 steps per K step
-                for mt in range(2):
-                    ra = ab + (wm + 16 * mt + g) * P + 8 * kk + t
-                    af[4 * mt] = a_s[ra]
-                    af[4 * mt + 1] = a_s[ra + 8 * P]
-                    af[4 * mt + 2] = a_s[ra + 4]
-                    af[4 * mt + 3] = a_s[ra + 8 * P + 4]
-                for nt in range(8):
-                    rb = bb + (wn + 8 * nt + g) * P + 8 * kk + t
-                    bf[2 * nt] = b_s[rb]
-                    bf[2 * nt + 1] = b_s[rb + 4]
-                for mt in range(2):
-                    for nt in range(8):
-                        i = 4 * (8 * mt + nt)
-                        acc[i], acc[i + 1], acc[i + 2], acc[i + 3] = mh.mma_bf16_16816(
-                            af[4 * mt], af[4 * mt + 1], af[4 * mt + 2], af[4 * mt + 3], bf[2 * nt], bf[2 * nt + 1],
-                            acc[i], acc[i + 1], acc[i + 2], acc[i + 3], mscr)
+            mma_stage(a_s, cur * A_WORDS, b_s, cur * B_WORDS, acc, af, bf, wm, wn, g, t, mscr)
             cuda.syncthreads()          # every warp is done with this stage before it is copied over
-        for mt in range(2):
-            r0 = m0 + wm + 16 * mt + g
-            r1 = r0 + 8
-            for nt in range(8):
-                c0 = n0 + wn + 8 * nt + 2 * t
-                c1 = c0 + 1
-                i = 4 * (8 * mt + nt)
-                v0, v1, v2, v3 = acc[i], acc[i + 1], acc[i + 2], acc[i + 3]
-                if has_bias:
-                    b0 = dev_bf16_to_f32(bias[c0]) if c0 < n else float32(0.0)
-                    b1 = dev_bf16_to_f32(bias[c1]) if c1 < n else float32(0.0)
-                    v0 += b0
-                    v1 += b1
-                    v2 += b0
-                    v3 += b1
-                _store(y, r0, c0, v0, m, n, out_bf16)
-                _store(y, r0, c1, v1, m, n, out_bf16)
-                _store(y, r1, c0, v2, m, n, out_bf16)
-                _store(y, r1, c1, v3, m, n, out_bf16)
+        epilogue(y, acc, bias, m0, n0, wm, wn, g, t, m, n, has_bias, out_bf16)
 
     return gemm_mma_kernel
 

@@ -24,9 +24,10 @@ from numba import cuda, float32, float64, uint32
 
 from vmmstream.kernels.base import mma as mh
 from vmmstream.kernels.base.dtypes import dev_bf16_to_f32
-from vmmstream.kernels.base.launch import SHARED_ALIGN16, as_stream, cdiv, cp_async16, cp_async_commit, \
+from vmmstream.kernels.base.launch import SHARED_ALIGN16, as_stream, cdiv, cp_async_commit, \
     cp_async_waiter, ld16_ro
-from vmmstream.kernels.matmul.dense.gemm_mma import A_LEN, A_WORDS, BK, BM, BN, NT, P, _store
+from vmmstream.kernels.matmul.dense.gemm_mma import A_LEN, A_WORDS, BK, BM, BN, NT, P, copy_rows, epilogue, \
+    mma_stage, zero_rows
 from vmmstream.kernels.base.workspace import NONE
 from vmmstream.kernels.matmul.quant.formats import INT4, INT4_GROUP, MX_BLOCK, MXFP4
 
@@ -67,13 +68,7 @@ def _make(kind: int, has_bias: bool):
         m0 = cuda.blockIdx.x * BM
         n0 = cuda.blockIdx.y * BN
         wrow = min(n0 + tid, n - 1)         # this thread's W row (clamped: rows past N are never stored)
-        for u in range(2):
-            c = tid + NT * u
-            r, q = c >> 2, c & 3
-            if m0 + r >= m:
-                for s in range(2):
-                    for e in range(4):
-                        a_s[s * A_WORDS + r * P + 4 * q + e] = uint32(0)
+        zero_rows(a_s, A_WORDS, BM, m - m0, tid)          # rows of x past M: zeros in both stages
         acc = cuda.local.array(64, float32)
         for i in range(64):
             acc[i] = float32(0.0)
@@ -81,11 +76,7 @@ def _make(kind: int, has_bias: bool):
         bf = cuda.local.array(16, uint32)
         steps = k // BK
         # step 0: x by cp.async, W row into registers
-        for u in range(2):
-            c = tid + NT * u
-            r, q = c >> 2, c & 3
-            if m0 + r < m:
-                cp_async16(a_s, r * P + 4 * q, x, (m0 + r, 8 * q))
+        copy_rows(a_s, 0, x, m0, 0, m, BM, tid)
         cp_async_commit()
         w0, w1, w2, w3 = ld16_ro(packed, (wrow, 0))
         if kind == INT4:
@@ -106,11 +97,7 @@ def _make(kind: int, has_bias: bool):
             if st + 1 < steps:          # next step: x copies into the other stage, the W row into registers
                 k1 = (st + 1) * BK
                 nxt = 1 - cur
-                for u in range(2):
-                    c = tid + NT * u
-                    r, q = c >> 2, c & 3
-                    if m0 + r < m:
-                        cp_async16(a_s, nxt * A_WORDS + r * P + 4 * q, x, (m0 + r, k1 + 8 * q))
+                copy_rows(a_s, nxt * A_WORDS, x, m0, k1, m, BM, tid)
                 cp_async_commit()
                 w0, w1, w2, w3 = ld16_ro(packed, (wrow, k1 // 2))
                 if kind == INT4:
@@ -123,44 +110,9 @@ def _make(kind: int, has_bias: bool):
             else:
                 _wait0()
             cuda.syncthreads()
-            ab = cur * A_WORDS
-            for kk in range(2):
-                for mt in range(2):
-                    ra = ab + (wm + 16 * mt + g) * P + 8 * kk + t
-                    af[4 * mt] = a_s[ra]
-                    af[4 * mt + 1] = a_s[ra + 8 * P]
-                    af[4 * mt + 2] = a_s[ra + 4]
-                    af[4 * mt + 3] = a_s[ra + 8 * P + 4]
-                for nt in range(8):
-                    rb = (wn + 8 * nt + g) * P + 8 * kk + t
-                    bf[2 * nt] = b_s[rb]
-                    bf[2 * nt + 1] = b_s[rb + 4]
-                for mt in range(2):
-                    for nt in range(8):
-                        i = 4 * (8 * mt + nt)
-                        acc[i], acc[i + 1], acc[i + 2], acc[i + 3] = mh.mma_bf16_16816(
-                            af[4 * mt], af[4 * mt + 1], af[4 * mt + 2], af[4 * mt + 3], bf[2 * nt], bf[2 * nt + 1],
-                            acc[i], acc[i + 1], acc[i + 2], acc[i + 3], mscr)
+            mma_stage(a_s, cur * A_WORDS, b_s, 0, acc, af, bf, wm, wn, g, t, mscr)
             cuda.syncthreads()
-        for mt in range(2):
-            r0 = m0 + wm + 16 * mt + g
-            r1 = r0 + 8
-            for nt in range(8):
-                c0 = n0 + wn + 8 * nt + 2 * t
-                c1 = c0 + 1
-                i = 4 * (8 * mt + nt)
-                v0, v1, v2, v3 = acc[i], acc[i + 1], acc[i + 2], acc[i + 3]
-                if has_bias:
-                    b0 = dev_bf16_to_f32(bias[c0]) if c0 < n else float32(0.0)
-                    b1 = dev_bf16_to_f32(bias[c1]) if c1 < n else float32(0.0)
-                    v0 += b0
-                    v1 += b1
-                    v2 += b0
-                    v3 += b1
-                _store(y, r0, c0, v0, m, n, True)
-                _store(y, r0, c1, v1, m, n, True)
-                _store(y, r1, c0, v2, m, n, True)
-                _store(y, r1, c1, v3, m, n, True)
+        epilogue(y, acc, bias, m0, n0, wm, wn, g, t, m, n, has_bias, True)
 
     return qgemm_mma_kernel
 
