@@ -506,3 +506,20 @@ def test_kv_views_are_made_once_and_are_the_layout_s_slices(tiny):
                 assert got.__array_interface__["data"][0] == want.__array_interface__["data"][0]
             assert kv.k(layer) is kv.k(layer)
     mem.close()
+
+
+def test_activation_views_are_cached_per_token_count_and_bounded(tiny, monkeypatch):
+    mem = memory(64 << 20)
+    try:
+        with vmmstream.load_model(tiny, memory=mem, max_context=MC) as m:
+            acts = m.acts
+            monkeypatch.setattr(type(acts), "VIEW_SETS", 8)
+            first = acts.views(5)
+            assert acts.views(5) is first                     # built once, then reused
+            for t in range(10, 30):
+                acts.views(t)
+            assert len(acts._views) <= 8 and 5 not in acts._views
+            assert acts.views(29) is acts.views(29)
+            assert m.generate(PROMPT, 4) == m.generate(PROMPT, 4)
+    finally:
+        mem.close()

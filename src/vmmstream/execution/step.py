@@ -77,9 +77,16 @@ class Activations:
     def addr(self, name: str) -> int:
         return self.va + self.offsets[name]
 
+    VIEW_SETS = 64        # view sets kept (one per token count; prompts of many lengths would grow it forever)
+
     def views(self, t: int):
-        """Views of every buffer for ``t`` tokens (prefixes of the ``tmax`` buffers); cached per ``t``."""
-        if t not in self._views:
+        """Views of every buffer for ``t`` tokens (prefixes of the ``tmax`` buffers); the last ``VIEW_SETS``
+        token counts used are kept."""
+        if t in self._views:
+            self._views[t] = self._views.pop(t)          # most recently used last
+        else:
+            while len(self._views) >= self.VIEW_SETS:
+                self._views.pop(next(iter(self._views)))
             c, v = self.config, {}
             for name, (shape, dt, per_t) in self.spec.items():
                 full = ((t,) + shape) if per_t else shape
