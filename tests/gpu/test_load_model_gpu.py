@@ -9,6 +9,7 @@ The CUDA decode attention takes head_dim 64 or 128, so the oracle models here ar
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from hf_oracle import check_against_reference
@@ -94,6 +95,44 @@ def test_quantized_oracle_on_cuda_resident_and_streamed(driver, tmp_path, kind):
         assert plan.strategy == strategy and plan.quantization == kind
         assert stats["quantization"]["tensors"] == 7 * COMMON["num_hidden_layers"]
         check_against_reference(f"{kind}/{strategy}", tokens, logits, hf_tokens, hf_logits, ATOL_FRAC)
+
+
+@pytest.mark.parametrize("arch,seed,quantize", [("llama", 0, None), ("qwen2", 9, None), ("llama", 0, "int4"),
+                                                ("llama", 0, "mxfp4")])
+def test_tensor_core_prefill_and_prefill_graphs_on_cuda(driver, tmp_path, monkeypatch, arch, seed, quantize):
+    """With the tensor-core GEMM routes as the default and short prompts replayed as prefill graphs (both off by
+    default until this passes): the oracle, resident and streamed, for prompts that take the eager padded
+    prefill, its capture and its replay; the first logits equal those of the plain eager prefill."""
+    from hf_oracle import build_reference
+    from vmmstream.kernels.matmul.dense import gemm_mma
+    hf_tokens, hf_logits = build_reference(arch, seed, tmp_path, COMMON, PROMPT, NEW, quantize=quantize)
+    fits, half, _ = _budgets(tmp_path, driver.granularity(), quantize=quantize)
+    prompts = [PROMPT, [3, 4], PROMPT, list(range(5, 25))]
+    for budget, strategy in ((fits, "resident"), (half, "streamed")):
+        monkeypatch.setattr(gemm_mma, "DEFAULT", False)
+        monkeypatch.setattr("vmmstream.execution.engine.Engine.PREFILL_GRAPH_MAX", 0)
+        mem = memory(driver, budget)
+        try:
+            with vmmstream.load_model(tmp_path, memory=mem, max_context=MC, quantize=quantize) as m:
+                plain = [m.generate(p, 1, return_logits=True, eos_token_id=[])[1][0] for p in prompts]
+        finally:
+            mem.close()
+        monkeypatch.setattr(gemm_mma, "DEFAULT", True)
+        monkeypatch.setattr("vmmstream.execution.engine.Engine.PREFILL_GRAPH_MAX", 256)
+        mem = memory(driver, budget)
+        try:
+            with vmmstream.load_model(tmp_path, memory=mem, max_context=MC, quantize=quantize) as m:
+                assert m.plan.strategy == strategy
+                firsts = [m.generate(p, 1, return_logits=True, eos_token_id=[])[1][0] for p in prompts]
+                tokens, logits = m.generate(PROMPT, NEW, return_logits=True, eos_token_id=[])
+                s = m.stats()
+        finally:
+            mem.close()
+        assert s["prefill_graph_captures"] == 1 and s["prefill_graph_replays"] == 3
+        for a, b in zip(firsts, plain):     # tensor cores and fp32 FMA sum in other orders: within the oracle's bound
+            assert np.max(np.abs(a - b)) <= ATOL_FRAC * np.max(np.abs(b))
+        check_against_reference(f"{arch}/{quantize}/{strategy}/tensor cores + prefill graphs", tokens, logits,
+                                hf_tokens, hf_logits, ATOL_FRAC)
 
 
 # Seeds chosen on the host backend for the widest greedy margins over the 32 steps (smallest top-2 margin /

@@ -119,8 +119,6 @@ def test_qgemm_routes_at_llama_shapes(stream, rng, kind, route):
     launch = qgemm.qgemm_int4 if kind == "int4" else qgemm.qgemm_mxfp4
     launch(*args, bias=to_dev(bias, stream), route=route, workspace=ws, stream=stream)
     assert_close(get(out, stream), wf, x, bias)
-    if route == "mma":
-        assert qgemm.choose_route(m, n, k, kind) == "mma"          # the route a model's prefill takes on a GPU
 
 
 @functools.lru_cache(maxsize=None)

@@ -468,6 +468,7 @@ def test_short_prompts_padded_and_replayed_as_a_graph_equal_the_eager_prefill(sm
     (head_dim 64: a fused attention route, no step workspace; the tiny presets' head_dim 16 prefills eagerly.)"""
     fits, half, _ = budgets(small)
     budget = half if streamed else fits
+    monkeypatch.setattr("vmmstream.execution.engine.Engine.PREFILL_GRAPH_MAX", 256)
     prompts = [PROMPT, [5], list(range(2, 19)), PROMPT[::-1], [9, 8], list(range(30, 47))]   # buckets 16, 16, 32, ...
 
     def answers():

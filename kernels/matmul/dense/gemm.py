@@ -107,10 +107,11 @@ def workspace_requirement(m: int, n: int, k: int):
 
 
 def choose_route(x, w) -> str:
-    """``mma`` (tensor cores, ``gemm_mma.py``) when it takes the operands (K a multiple of 32, rows 16-byte
-    aligned), else ``simt``. The simulator runs ``simt`` unless asked: its emulated mma is slow."""
+    """``mma`` (tensor cores, ``gemm_mma.py``) when it is the default (``gemm_mma.DEFAULT``) and takes the operands
+    (K a multiple of 32, rows 16-byte aligned), else ``simt``. The simulator runs ``simt`` unless asked: its
+    emulated mma is slow."""
     from vmmstream.kernels.matmul.dense import gemm_mma
-    return MMA if not SIM and gemm_mma.usable(x, w) else SIMT
+    return MMA if gemm_mma.DEFAULT and not SIM and gemm_mma.usable(x, w) else SIMT
 
 
 def gemm(x, w, out, *, bias=None, workspace=None, stream=None, tm: int = TM_DEFAULT, route: str = "auto"):

@@ -1,7 +1,7 @@
 """Quantized prefill GEMM: y[M, N] = x[M, K] · W[N, K]ᵀ (+ bias[N]) with W stored int4 or MXFP4
 (``kernels/matmul/quant/formats.py`` layouts), fp32 accumulation, bf16 (uint16) out. Three routes:
 
-``mma`` (the default on a GPU; no workspace): ``gemm_mma.py``, bf16 tensor cores with W decoded to bf16 in the
+``mma`` (no workspace; the default on a GPU with ``dense.gemm_mma.DEFAULT``): ``gemm_mma.py``, bf16 tensor cores with W decoded to bf16 in the
     load path (the ``dense_cache`` route's numbers, without the cache).
 
 
@@ -36,7 +36,7 @@
     from the in-register route's by that rounding (``reference(..., route="dense_cache")`` models it
     exactly); MXFP4 values are exact in bf16.
 
-``choose_route`` picks ``mma`` on a GPU and ``in_register`` in the simulator.
+``choose_route`` picks ``mma`` on a GPU (when ``dense.gemm_mma.DEFAULT``) and ``in_register`` otherwise.
 x must be bf16 [M, K] with contiguous, 16-byte aligned rows (``vec8_ok``); packed W uint8 [N, K/2] with
 contiguous rows on 16-byte boundaries; K a positive multiple of 128 (int4) or 32 (MXFP4). There is no
 scalar fallback.
@@ -218,15 +218,16 @@ def _group(kind: int) -> int:
 
 
 def choose_route(M: int, N: int, K: int, fmt: str) -> str:
-    """``mma`` (tensor cores, W decoded in the load path, no workspace; ``gemm_mma.py``) on a GPU, for every
-    shape: it reads W at 4 bits a value like ``in_register`` and multiplies on the tensor cores. The simulator
+    """``mma`` (tensor cores, W decoded in the load path, no workspace; ``gemm_mma.py``) on a GPU when the
+    tensor-core routes are the default (``dense.gemm_mma.DEFAULT``), for every shape, else ``in_register``: it reads W at 4 bits a value like ``in_register`` and multiplies on the tensor cores. The simulator
     takes ``in_register`` (its emulated mma is slow) unless a route is named. ``dense_cache`` (a session-long
     bf16 copy of W, four times the quantized bytes) is never chosen here: a caller that can afford the cache
     names it."""
     _kind(fmt)
     if M < 0 or N < 0 or K < 0:
         raise ValueError(f"choose_route: negative shape M={M} N={N} K={K}")
-    return IN_REGISTER if SIM else MMA
+    from vmmstream.kernels.matmul.dense import gemm_mma
+    return MMA if gemm_mma.DEFAULT and not SIM else IN_REGISTER
 
 
 def _route(M, N, K, fmt, route):
