@@ -524,3 +524,24 @@ def test_activation_views_are_cached_per_token_count_and_bounded(tiny, monkeypat
             assert m.generate(PROMPT, 4) == m.generate(PROMPT, 4)
     finally:
         mem.close()
+
+
+def test_a_prefill_graph_that_cannot_be_captured_leaves_that_length_eager(small, monkeypatch):
+    from vmmstream.execution import engine as eng
+    monkeypatch.setattr(eng.Engine, "PREFILL_GRAPH_MAX", 256)
+    real = eng.DecodeGraph
+
+    def refuse_prefill(driver, stream, emit, *, key=None):
+        if isinstance(key, tuple) and key[0] == "prefill":
+            raise DriverError("cuStreamBeginCapture", "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED")
+        return real(driver, stream, emit, key=key)
+    monkeypatch.setattr(eng, "DecodeGraph", refuse_prefill)
+    mem = memory(64 << 20)
+    try:
+        with vmmstream.load_model(small, memory=mem, max_context=MC) as m:
+            runs = [m.generate(PROMPT, 5) for _ in range(3)]
+            assert runs[0] == runs[1] == runs[2]
+            s = m.stats()
+            assert s["prefill_graph_captures"] == 0 and s["prefill_graph_replays"] == 0
+    finally:
+        mem.close()

@@ -59,6 +59,7 @@ class Engine:
         self.graphs: dict = {}
         self.prefill_graphs: dict = {}     # padded prompt length -> its captured prefill
         self._prefill_seen: set = set()
+        self._prefill_ungraphable: set = set()
         self._prefill_copies: dict = {}
         self.counters = dict(prefill_tokens=0, decode_tokens=0, generate_calls=0, eager_steps=0,
                              page_ins=0, page_in_bytes=0, h2d_ms=0.0, h2d_timed_bytes=0, decode_ms=0.0,
@@ -270,17 +271,24 @@ class Engine:
         g = self.prefill_graphs.get(b)
         if g is None and b in self._prefill_seen:
             before = self.streamer.issued
-            g = DecodeGraph(self.driver, self.S, lambda: body(False), key=("prefill", b))
-            self._prefill_copies[b] = self.streamer.issued - before
-            self.prefill_graphs[b] = g
-            self.counters["prefill_graph_captures"] += 1
-        self._prefill_seen.add(b)
+            try:
+                g = DecodeGraph(self.driver, self.S, lambda: body(False), key=("prefill", b))
+            except DriverError:
+                self._prefill_ungraphable.add(b)      # this length prefills eagerly from now on
+                self._prefill_seen.discard(b)
+                self.streamer.issued = before
+            else:
+                self._prefill_copies[b] = self.streamer.issued - before
+                self.prefill_graphs[b] = g
+                self.counters["prefill_graph_captures"] += 1
         if g is None:
             def enqueue():
                 body(True)
                 self.step.select(sampling)
                 self.step.advance()
             self._eager(enqueue)
+            if b not in self._prefill_ungraphable:
+                self._prefill_seen.add(b)             # warmed up: every kernel it needs is compiled and loaded
         else:
             g.replay()
             self.step.select(sampling)

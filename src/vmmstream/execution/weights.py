@@ -115,10 +115,12 @@ class Weights:
         # pinned host memory: streamed tensors, the embedding table, every expert unit when some are gathered
         # on demand, and a staging area for resident loads
         host = [t for t in self.tensors.values() if t.where == "streamed" or t.name == EMBED]
-        staging = max([t.payload for t in device if t.where == "resident" and t.name != EMBED]
-                      + [t.payload for t in self.tensors.values() if t.where == "expert"] + [0])
-        # the read ring (_load_plain): up to RING pieces, never more than there is to stage
-        staging = max(staging, min(RING * PIECE, sum(t.payload for t in device if t.where == "resident")))
+        # the slow path (_load: converted or quantized tensors) stages a whole tensor; the read ring (_load_plain)
+        # RING pieces, never more than there is to stage
+        slow = [t for t in self.tensors.values() if not self._plain(ck.tensors[t.name])]
+        staging = max([t.payload for t in slow if t.where in ("resident", "expert") and t.name != EMBED] + [0])
+        ring = sum(t.payload for t in self.tensors.values() if t.where in ("resident", "expert"))
+        staging = max(staging, min(RING * PIECE, ring), RING if ring else 0)
         offsets, off = {}, 0
         for t in host:
             offsets[t.name] = off
@@ -196,7 +198,12 @@ class Weights:
 
         from ..model import iter_load
         plain = [i for i in infos if self._plain(i)]
-        done = self._load_plain(plain, stage_ptr, stage_bytes, report, total) if plain else 0
+        try:
+            done = self._load_plain(plain, stage_ptr, stage_bytes, report, total) if plain else 0
+        except BaseException:
+            if report is not None and hasattr(report, "close"):
+                report.close()           # a bar left open on an error would keep its line
+            raise
         infos = [i for i in infos if not self._plain(i)]
         slow_report = None if report is None else \
             (lambda d, tot, info, final=False: report(done + d, total, info, final=final))
@@ -248,9 +255,10 @@ class Weights:
 
         from ..model.checkpoint import open_regular, pread_into
         d = self.driver
-        piece = max(1, min(PIECE, stage_bytes // RING)) if stage_bytes else PIECE
+        ring_piece = max(1, min(PIECE, stage_bytes // RING))
         todo = []
         for info in sorted(infos, key=lambda i: (i.file, i.offset)):
+            piece = PIECE if self.tensors[info.name].host is not None else ring_piece   # in place / via the ring
             for off in range(0, info.nbytes, piece):
                 todo.append((info, off, min(piece, info.nbytes - off)))
         files, events, pending = {}, [], []
@@ -272,7 +280,7 @@ class Weights:
                         slot, nxt_slot = nxt_slot, (nxt_slot + 1) % RING
                         if slot_event[slot] is not None:
                             d.event_synchronize(slot_event[slot])      # the slot's last copy is done
-                        dst = stage_ptr + slot * piece
+                        dst = stage_ptr + slot * ring_piece
                     fut = pool.submit(pread_into, files[info.file], info, off, dst, n)
                     pending.append((fut, info, off, n, dst, slot))
                     i += 1
@@ -291,14 +299,15 @@ class Weights:
                 if report is not None:
                     report(done, total, info)
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)   # no thread writes into the staging area after this
-            for f in files.values():
-                f.close()
-            try:
-                d.stream_synchronize(self.stream)             # no copy reads the staging area after this
-            finally:
-                for ev in events:
-                    d.event_destroy(ev)
+            with uninterruptible():      # a second Ctrl-C must not free memory a reader or a copy still uses
+                pool.shutdown(wait=True, cancel_futures=True)   # no thread writes into the staging area after this
+                for f in files.values():
+                    f.close()
+                try:
+                    d.stream_synchronize(self.stream)         # no copy reads the staging area after this
+                finally:
+                    for ev in events:
+                        d.event_destroy(ev)
         return done
 
     # -- access --

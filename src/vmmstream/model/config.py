@@ -291,7 +291,7 @@ class ModelConfig:
             moe = dict(num_experts=d.get("num_experts", d.get("num_local_experts")),   # newer transformers
                        num_experts_per_tok=d.get("num_experts_per_tok"),                 # write the second name
                        moe_intermediate_size=d.get("moe_intermediate_size"),
-                       norm_topk_prob=bool(d.get("norm_topk_prob", True)))
+                       norm_topk_prob=bool(d.get("norm_topk_prob", False)))   # transformers' default
         if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") \
                 and not d.get("use_sliding_window", False):
             sliding = None      # Qwen2 and Qwen3 record a window but only use it with use_sliding_window
