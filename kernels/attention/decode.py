@@ -22,7 +22,8 @@ pass 1 (``_split``, flash-decoding): block (split, kv head, b) covers positions 
 pass 2 (``_combine``): block (query head, b); each thread folds a few splits' partials online (its
   loads for ``C_UNROLL`` splits in flight at once), the threads merge through shared memory, bf16 out.
 
-Head dims 64 and 128; Hq / Hkv <= 8. Maxima are kept in log2 units (q is pre-scaled by scale * log2 e).
+Head dims 64, 128 and 256 (a whole warp per key row); Hq / Hkv <= 8. Maxima are kept in log2 units (q is
+pre-scaled by scale * log2 e).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from vmmstream.kernels.base import launch as la, mma as mh
 from vmmstream.kernels.base.dtypes import bf16_to_f32, dev_f32_to_bf16
 from vmmstream.kernels.base.workspace import Lifetime, WorkspaceRequirement, layout
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)   # a lane holds 8 dims: D / 8 lanes per key row, a power of two dividing 32
 MAX_GROUP = 8
 CAPTURE_SAFE = True      # device arrays only, length read on the device, grid fixed by S_max
 

@@ -132,6 +132,11 @@ def test_decode_batch_head_dim_64(stream):
     assert_bf16_close(got, ref, 2e-3)
 
 
+def test_decode_head_dim_256(stream):
+    got, ref = decode_case(stream, 2, HQ // 4, 256, 8192, [1, 7001], seed=2)
+    assert_bf16_close(got, ref, 2e-3)
+
+
 @pytest.mark.parametrize("B,Hkv,Dh,S_max,lengths", [(1, HKV, D, 32768, [30001]), (3, 4, 64, 4096, [5, 4000, 4096])])
 def test_decode_flat_loads_variant(stream, monkeypatch, B, Hkv, Dh, S_max, lengths):
     # the running-offset K/V loads (FLAT_LOADS, 128 registers instead of 168): same results

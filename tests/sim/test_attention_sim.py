@@ -160,6 +160,7 @@ def run_decode(B, Hq, Hkv, D, S_max, lengths, three_d=False, seed=1):
     (2, 64, 100, [37, 70], False),     # 2 splits of 64: one sequence uses one, the other a partial second
     (1, 128, 150, [129], True),        # [S_max, Hkv, D] cache, 3 splits, last one holds a single key
     (2, 64, 70, [0, 5], False),        # an empty sequence gives zeros; only split 0 active
+    (1, 256, 90, [81], True),          # head_dim 256: one lane group per warp (32 lanes x 8 dims)
 ])
 def test_decode_device_length(switch_interval, B, D, S_max, lengths, three_d):
     got, ref = run_decode(B, 4, 2, D, S_max, lengths, three_d)
