@@ -17,7 +17,7 @@ import importlib
 import re
 import sys
 
-MODULES = ["matmul.dense.gemv", "matmul.dense.gemm", "matmul.quant.gemv", "matmul.quant.gemv_mma",
+MODULES = ["matmul.dense.gemv", "matmul.dense.gemm", "matmul.dense.gemm_mma", "matmul.quant.gemm_mma", "matmul.quant.gemv", "matmul.quant.gemv_mma",
            "matmul.quant.gemv_mx16", "matmul.quant.gemv_imma", "matmul.quant.gemm", "moe.gather", "ops.norm",
            "ops.rope", "ops.elementwise", "ops.embedding", "ops.sampling", "ops.scalars", "moe", "attention.prefill",
            "attention.decode"]

@@ -22,8 +22,9 @@ pass 1 (``_split``, flash-decoding): block (split, kv head, b) covers positions 
 pass 2 (``_combine``): block (query head, b); each thread folds a few splits' partials online (its
   loads for ``C_UNROLL`` splits in flight at once), the threads merge through shared memory, bf16 out.
 
-Head dims 64, 128 and 256 (a whole warp per key row); Hq / Hkv <= 8. Maxima are kept in log2 units (q is
-pre-scaled by scale * log2 e).
+Head dims 64, 128 and 256 (a whole warp per key row). Up to 8 query heads per KV head go in one pass-1 launch;
+more (multi-query attention, wide groups) go in groups of ``head_group(G)``, a launch each per KV head, on views of
+q, the KV head and the partials. Maxima are kept in log2 units (q is pre-scaled by scale * log2 e).
 """
 
 from __future__ import annotations
@@ -102,8 +103,20 @@ def plan(B, Hkv, S_max, group):
     return chunk, -(-max(1, S_max) // chunk)
 
 
+def head_group(G: int) -> int:
+    """Query heads per pass-1 launch: all ``G`` of a KV head when ``G <= MAX_GROUP``; else the largest divisor of
+    ``G`` up to ``MAX_GROUP`` (multi-query and wide groups: one launch per KV head and group of query heads, each
+    reading that head's K and V again, from L2 when it fits)."""
+    return G if G <= MAX_GROUP else max(d for d in range(1, MAX_GROUP + 1) if G % d == 0)
+
+
+def _pairs(B, Hkv, G):
+    """(sequence, KV head) pairs one pass-1 launch covers: all of them, or one KV head's when the heads go in groups."""
+    return B * Hkv if G <= MAX_GROUP else B
+
+
 def _layout(B, Hq, Hkv, D, S_max):
-    _, ns = plan(B, Hkv, S_max, Hq // Hkv)
+    _, ns = plan(_pairs(B, Hkv, Hq // Hkv), 1, S_max, Hq // Hkv)
     # per (b, query head, split): max, sum of exp (fp32) and the unnormalised output [D] (fp32)
     return layout(m=B * Hq * ns * 4, l=B * Hq * ns * 4, o=B * Hq * ns * D * 4)
 
@@ -565,23 +578,32 @@ def launch(q, k, v, seq_len, out, workspace, *, scale=None, stream):
     B, Hq, D = q.shape
     S_max, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
-    if (Hq % Hkv or D not in HEAD_DIMS or G > MAX_GROUP or tuple(k.shape) != (B, S_max, Hkv, D)
+    if (Hq % Hkv or D not in HEAD_DIMS or tuple(k.shape) != (B, S_max, Hkv, D)
             or tuple(v.shape) != tuple(k.shape) or tuple(out.shape) != (B, Hq, D) or seq_len.shape[0] < B):
         raise ValueError(f"decode shapes q{q.shape} k{k.shape} v{v.shape} out{out.shape} seq_len{seq_len.shape}: "
-                         f"need Hq % Hkv == 0, Hq / Hkv <= {MAX_GROUP}, D in {HEAD_DIMS}")
+                         f"need Hq % Hkv == 0, D in {HEAD_DIMS}")
     if not la.vec8_ok(q, k, v):
         raise ValueError("decode attention needs 16-byte aligned, contiguous q, k and v rows")
     lay = _layout(B, Hq, Hkv, D, S_max)
     la.check_workspace("attention_decode", workspace, lay.total)
-    chunk, ns = plan(B, Hkv, S_max, G)
+    chunk, ns = plan(_pairs(B, Hkv, G), 1, S_max, G)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     part = {name: workspace[lay.offsets[name]:lay.offsets[name] + lay.sizes[name]].view(np.float32)
             for name in ("m", "l", "o")}
     part_m, part_l = part["m"].reshape(B, Hq, ns), part["l"].reshape(B, Hq, ns)
     part_o = part["o"].reshape(B, Hq, ns, D)
     st = la.as_stream(stream)
-    _kernel("split", G, D, WARPS, KEYS, PREFETCH, MIN_BLOCKS, FLAT_LOADS, SCATTER_SUM)[(ns, Hkv, B), 32 * WARPS, st](
-        q, k, v, seq_len, part_m, part_l, part_o, chunk, float32(scale))
+    gs = head_group(G)
+    split = _kernel("split", gs, D, WARPS, KEYS, PREFETCH, MIN_BLOCKS, FLAT_LOADS, SCATTER_SUM)
+    if gs == G:
+        split[(ns, Hkv, B), 32 * WARPS, st](q, k, v, seq_len, part_m, part_l, part_o, chunk, float32(scale))
+    else:                   # per KV head and group of gs query heads: views with one KV head and gs query heads
+        for kvh in range(Hkv):
+            kk, vv = la.narrow(k, 2, kvh, 1), la.narrow(v, 2, kvh, 1)
+            for h in range(kvh * G, (kvh + 1) * G, gs):
+                split[(ns, 1, B), 32 * WARPS, st](la.narrow(q, 1, h, gs), kk, vv, seq_len,
+                                                  la.narrow(part_m, 1, h, gs), la.narrow(part_l, 1, h, gs),
+                                                  la.narrow(part_o, 1, h, gs), chunk, float32(scale))
     _kernel("combine", D, C_THREADS, C_UNROLL)[(Hq, B), C_THREADS, st](
         part_m, part_l, part_o, seq_len, out, chunk)
 

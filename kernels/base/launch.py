@@ -95,6 +95,25 @@ def vec8_ok(*arrays) -> bool:
     return True
 
 
+def narrow(a, axis: int, start: int, count: int):
+    """``a`` with axis ``axis`` cut to ``[start, start + count)``: a view of the same memory. On the GPU it is made
+    from the array interface directly (Numba's slicing of a strided device array walks every element in Python);
+    in the simulator it is plain slicing."""
+    index = (slice(None),) * axis + (slice(start, start + count),)
+    if SIM:
+        return a[index]
+    cai = a.__cuda_array_interface__
+    shape = tuple(int(x) for x in a.shape)
+    strides = tuple(int(x) for x in a.strides)
+    ptr = int(cai["data"][0]) + int(start) * strides[axis]
+    shape = shape[:axis] + (int(count),) + shape[axis + 1:]
+
+    class _Cai:
+        __cuda_array_interface__ = {"shape": shape, "typestr": cai["typestr"], "data": (ptr, False), "version": 3,
+                                    "strides": strides}
+    return cuda.as_cuda_array(_Cai(), sync=False)
+
+
 def nbytes(view) -> int:
     return 0 if view is None else int(view.nbytes)
 

@@ -216,8 +216,6 @@ def _check_cuda_shapes(c) -> None:
         raise UnsupportedModelError(
             f"{c.architecture}: the CUDA MoE kernels take at most 128 experts, top-k <= 8, and hidden and expert "
             "sizes that are multiples of 8")
-    g = c.num_attention_heads // c.num_key_value_heads
-    if c.head_dim not in attention_decode.HEAD_DIMS or g > attention_decode.MAX_GROUP:
+    if c.head_dim not in attention_decode.HEAD_DIMS:
         raise UnsupportedModelError(
-            f"head_dim {c.head_dim} with {g} query heads per KV head: the CUDA decode attention takes head_dim in "
-            f"{attention_decode.HEAD_DIMS} and at most {attention_decode.MAX_GROUP} query heads per KV head")
+            f"head_dim {c.head_dim}: the CUDA decode attention takes head_dim in {attention_decode.HEAD_DIMS}")

@@ -105,7 +105,8 @@ def test_i7_prefill_materialized_on_device(stream, Dh):
 
 # ---------------------------------------------------------------------------------------- decode
 
-def decode_case(stream, B, Hkv, Dh, S_max, lengths, seed=0):
+def decode_case(stream, B, Hkv, Dh, S_max, lengths, seed=0, Hq=HQ):
+    HQ = Hq
     rng = np.random.default_rng(seed)
     q = bf16(rng, (B, HQ, Dh))
     k, v = bf16(rng, (B, S_max, Hkv, Dh)), bf16(rng, (B, S_max, Hkv, Dh))
@@ -129,6 +130,13 @@ def test_decode_real_shape(stream, S_max, length):
 
 def test_decode_batch_head_dim_64(stream):
     got, ref = decode_case(stream, 3, 4, 64, 4096, [5, 4000, 4096], seed=1)
+    assert_bf16_close(got, ref, 2e-3)
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(32, 1), (64, 4)])
+def test_decode_multi_query_and_wide_groups(stream, Hq, Hkv):
+    """More than 8 query heads per KV head: launched in head groups (32 on one KV head; 16 per KV head)."""
+    got, ref = decode_case(stream, 1, Hkv, 128, 8192, [6001], seed=3, Hq=Hq)
     assert_bf16_close(got, ref, 2e-3)
 
 

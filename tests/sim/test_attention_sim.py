@@ -168,6 +168,17 @@ def test_decode_device_length(switch_interval, B, D, S_max, lengths, three_d):
 
 
 @pytest.mark.parametrize("switch_interval", [5e-4], indirect=True)
+@pytest.mark.parametrize("B,Hq,Hkv,lengths", [
+    (1, 12, 1, [70]),         # multi-query: 12 query heads on one KV head, in groups of 6
+    (1, 20, 2, [33]),         # 10 per KV head: groups of 5, two KV heads
+])
+def test_decode_wide_groups_go_in_head_groups(switch_interval, B, Hq, Hkv, lengths):
+    assert ad.head_group(Hq // Hkv) < Hq // Hkv
+    got, ref = run_decode(B, Hq, Hkv, 64, 80, lengths, seed=5)
+    assert_bf16_close(got, ref, 2e-3)
+
+
+@pytest.mark.parametrize("switch_interval", [5e-4], indirect=True)
 @pytest.mark.parametrize("W,U,PF,FLAT,RS,Hq,D,S_max,lengths", [
     (2, 2, False, True, False, 4, 128, 150, [129]),   # no prefetch; 16 keys a step, 4 steps in a full split, 1 key in the last
     (1, 8, True, True, False, 4, 64, 100, [37, 70]),  # prefetch across 2 steps of 32 keys; one warp, four streams
