@@ -151,12 +151,14 @@ def reference(x, w, bias=None) -> np.ndarray:
 
 
 def bytes_moved(m: int, n: int, k: int, *, out_itemsize: int = 2, tm: int = TM_DEFAULT) -> int:
-    """DRAM-level lower bound (each operand once) plus output; tiles re-read from L2 not counted."""
-    return 2 * m * k + 2 * n * k + out_itemsize * m * n
+    """DRAM-level lower bound (each operand once) plus output, whatever the route (``gemm_mma.bytes_moved``)."""
+    from vmmstream.kernels.matmul.dense import gemm_mma
+    return gemm_mma.bytes_moved(m, n, k, out_itemsize=out_itemsize)
 
 
 def flops(m: int, n: int, k: int) -> int:
-    return 2 * m * n * k
+    from vmmstream.kernels.matmul.dense import gemm_mma
+    return gemm_mma.flops(m, n, k)
 
 
 def _sig(has_bias: bool, out: str) -> str:
