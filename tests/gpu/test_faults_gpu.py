@@ -26,9 +26,9 @@ def driver():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def small(tmp_path_factory):
     from vmmstream.model import make_checkpoint
-    return make_checkpoint("tiny", tmp_path_factory.mktemp("tiny"), seed=0)
+    return make_checkpoint("small", tmp_path_factory.mktemp("small"), seed=0)
 
 
 def _streaming_budget(path, gran) -> int:
@@ -56,10 +56,10 @@ def _clean(mem):
 
 
 @pytest.fixture(scope="module")
-def warm(driver, tiny):
+def warm(driver, small):
     """Compile and load every kernel once, so the free-memory checks below see budget memory only."""
-    mem = _memory(driver, _streaming_budget(tiny, driver.granularity()))
-    with vmmstream.load_model(tiny, memory=mem, max_context=MC) as m:
+    mem = _memory(driver, _streaming_budget(small, driver.granularity()))
+    with vmmstream.load_model(small, memory=mem, max_context=MC) as m:
         want = m.generate(PROMPT, 8)
     mem.close()
     driver.synchronize()
@@ -67,8 +67,8 @@ def warm(driver, tiny):
 
 
 @pytest.mark.parametrize("kind", ["driver-error", "interrupt", "interrupt-after"])
-def test_i3_a_fault_at_every_driver_call_of_a_load_leaves_nothing(driver, tiny, warm, fail_at, kind):
-    budget = _streaming_budget(tiny, driver.granularity())
+def test_i3_a_fault_at_every_driver_call_of_a_load_leaves_nothing(driver, small, warm, fail_at, kind):
+    budget = _streaming_budget(small, driver.granularity())
     driver.synchronize()
     free0, _ = driver.mem_get_info()
     mem = _memory(driver, budget)
@@ -76,7 +76,7 @@ def test_i3_a_fault_at_every_driver_call_of_a_load_leaves_nothing(driver, tiny, 
 
     def after(_):
         _clean(mem)
-    failed, m = each_call(driver, make, lambda: vmmstream.load_model(tiny, memory=mem, max_context=MC), after)
+    failed, m = each_call(driver, make, lambda: vmmstream.load_model(small, memory=mem, max_context=MC), after)
     assert failed > 50
     assert m.generate(PROMPT, 8) == warm             # and it loads and runs afterwards
     m.close()
@@ -88,11 +88,11 @@ def test_i3_a_fault_at_every_driver_call_of_a_load_leaves_nothing(driver, tiny, 
 
 
 @pytest.mark.parametrize("kind", ["driver-error", "interrupt", "interrupt-after"])
-def test_a_fault_at_every_driver_call_of_generate_leaves_the_model_usable(driver, tiny, warm, fail_at, kind):
+def test_a_fault_at_every_driver_call_of_generate_leaves_the_model_usable(driver, small, warm, fail_at, kind):
     """Prefill and decode interrupted or failed at every call: the model still answers as before, and its
     memory is what it held before the call (the step workspace released, I8)."""
-    mem = _memory(driver, _streaming_budget(tiny, driver.granularity()))
-    with vmmstream.load_model(tiny, memory=mem, max_context=MC) as m:
+    mem = _memory(driver, _streaming_budget(small, driver.granularity()))
+    with vmmstream.load_model(small, memory=mem, max_context=MC) as m:
         m.generate(PROMPT, 8)
         held = dict(mem.snapshot()["by_holder"])
         make = {"driver-error": fail_at, "interrupt": Interrupt, "interrupt-after": interrupt_after}[kind]
@@ -109,14 +109,14 @@ def test_a_fault_at_every_driver_call_of_generate_leaves_the_model_usable(driver
     assert mem.pool.created == mem.pool.released
 
 
-def test_a_driver_failure_in_close_still_releases_the_rest(driver, tiny, warm, fail_at):
+def test_a_driver_failure_in_close_still_releases_the_rest(driver, small, warm, fail_at):
     """Close with its n-th call failing: the error is raised after every other release was attempted; a second
     close and the memory's own close leave created == released."""
-    budget = _streaming_budget(tiny, driver.granularity())
+    budget = _streaming_budget(small, driver.granularity())
     n = 1
     while True:
         mem = _memory(driver, budget)
-        m = vmmstream.load_model(tiny, memory=mem, max_context=MC)
+        m = vmmstream.load_model(small, memory=mem, max_context=MC)
         inj = fail_at(n)
         driver.fault_injector = inj
         try:
@@ -134,9 +134,9 @@ def test_a_driver_failure_in_close_still_releases_the_rest(driver, tiny, warm, f
     assert n > 10
 
 
-def test_capacity_refusals_on_cuda_change_nothing(driver, tiny, warm):
+def test_capacity_refusals_on_cuda_change_nothing(driver, small, warm):
     mem = _memory(driver, 4 * MiB)
     with pytest.raises(CapacityError):
-        vmmstream.load_model(tiny, memory=mem, max_context=MC)
+        vmmstream.load_model(small, memory=mem, max_context=MC)
     _clean(mem)
     mem.close()

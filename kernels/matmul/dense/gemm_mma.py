@@ -30,10 +30,10 @@ from vmmstream.kernels.base.launch import SHARED_ALIGN16, as_stream, cdiv, cp_as
     cp_async_waiter, vec8_ok
 
 CAPTURE_SAFE = True   # no allocation, no synchronize, device arrays only
-# Whether gemm() and the quantized qgemm take the tensor-core routes when no route is named. Off until they have
-# passed the GPU tier (tests/gpu/test_dense_kernels_gpu.py, test_qgemv_gpu.py, test_load_model_gpu.py); named
-# routes (route="mma") run either way.
-DEFAULT = False
+# Whether gemm() and the quantized qgemm take the tensor-core routes when no route is named (checked on CUDA by
+# tests/gpu/test_dense_kernels_gpu.py, test_qgemv_gpu.py and test_load_model_gpu.py). False falls back to the SIMT
+# tiles everywhere; named routes (route="mma") run either way.
+DEFAULT = True
 BM, BN, BK = 64, 128, 32
 P = BK // 2 + 4       # words per shared row: 16 of data, 4 of pad
 A_WORDS, B_WORDS = BM * P, BN * P

@@ -229,11 +229,10 @@ class Engine:
 
     # A short prompt is padded to a power of two (at least PREFILL_BUCKET_MIN tokens, at most PREFILL_GRAPH_MAX)
     # and, from the second prompt of that padded length on, runs as one captured graph: a few hundred kernel
-    # launches from Python cost more than the work of a short prefill. PREFILL_GRAPH_MAX = 0 (the default until
-    # the GPU tier has run it: tests/gpu/test_load_model_gpu.py) prefills every prompt eagerly, unpadded;
-    # 256 turns it on.
+    # launches from Python cost more than the work of a short prefill (checked on CUDA by
+    # tests/gpu/test_load_model_gpu.py). PREFILL_GRAPH_MAX = 0 prefills every prompt eagerly, unpadded.
     PREFILL_BUCKET_MIN = 16
-    PREFILL_GRAPH_MAX = 0
+    PREFILL_GRAPH_MAX = 256
 
     def prefill_extent(self, n: int) -> int:
         """Positions a prefill of ``n`` tokens writes in the KV cache (padding included)."""

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One GPU-machine call: install the carried wheels and this tree, then run named stages in order, each under its
+# own time limit, each into OUTDIR/<name>.log, stopping before the call's deadline.
+#   bench/tools/gpu_stages.sh OUTDIR DEADLINE_S NAME:LIMIT_S:COMMAND ...
+# OUTDIR gets env.txt (GPU, driver, versions) and summary.txt (name, exit status, seconds for each stage).
+set -uo pipefail
+out=${1:?usage: gpu_stages.sh OUTDIR DEADLINE_S NAME:LIMIT_S:COMMAND ...}; deadline=${2:?}; shift 2
+mkdir -p "$out" && out=$(cd "$out" && pwd)
+start=$(date +%s)
+export PYTHONUNBUFFERED=1
+here=$PWD
+if compgen -G ".whl/*.whl" >/dev/null && [ ! -d .site-wheels ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .site-wheels .whl/*.whl \
+    >"$out/install.log" 2>&1 || { cat "$out/install.log"; exit 1; }
+fi
+rm -rf .site-head
+python3 -m pip install -q --no-deps --no-build-isolation --no-index --target .site-head . >>"$out/install.log" 2>&1 \
+  || { cat "$out/install.log"; exit 1; }
+export PYTHONPATH=$here/.site-head:$here/.site-wheels
+{ date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max --format=csv,noheader
+  python3 -c "import numpy, numba, numba_cuda, vmmstream; print('numpy', numpy.__version__, 'numba', numba.__version__,
+'numba-cuda', numba_cuda.__version__, 'vmmstream', vmmstream.__file__)"; } >"$out/env.txt" 2>&1
+cat "$out/env.txt"
+for stage in "$@"; do
+  name=${stage%%:*}; rest=${stage#*:}; limit=${rest%%:*}; cmd=${rest#*:}
+  left=$(( deadline - ($(date +%s) - start) ))
+  if [ "$left" -lt 20 ]; then echo "$name skipped (deadline)" | tee -a "$out/summary.txt"; continue; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  t0=$(date +%s)
+  timeout -k 5 "$limit" bash -c "$cmd" >"$out/$name.log" 2>&1
+  rc=$?
+  echo "$name rc=$rc $(( $(date +%s) - t0 ))s" | tee -a "$out/summary.txt"
+  tail -n 4 "$out/$name.log"
+done
