@@ -39,7 +39,8 @@ from vmmstream.kernels.base import launch as la, mma as mh
 from vmmstream.kernels.base.dtypes import bf16_to_f32, dev_f32_to_bf16
 from vmmstream.kernels.base.workspace import Lifetime, WorkspaceRequirement, layout
 
-HEAD_DIMS = (64, 128, 256)   # a lane holds 8 dims: D / 8 lanes per key row, a power of two dividing 32
+HEAD_DIMS = tuple(range(16, 257, 16))   # a lane holds 8 dims: D / 8 lanes per key row, padded to a power of two
+                                        # (head_dim 80 / 96 / 112 run 10 / 12 / 14 live lanes of 16)
 MAX_GROUP = 8
 CAPTURE_SAFE = True      # device arrays only, length read on the device, grid fixed by S_max
 
@@ -101,6 +102,11 @@ def plan(B, Hkv, S_max, group):
     ns = max(1, RESIDENT_BLOCKS // max(1, B * Hkv))
     chunk = min(CHUNK_MAX, -(-max(1, -(-S_max // ns)) // CHUNK_STEP) * CHUNK_STEP)
     return chunk, -(-max(1, S_max) // chunk)
+
+
+def combine_threads(D: int, T: int = C_THREADS) -> int:
+    """Pass 2's block: the whole split lanes of D / 4 dim lanes that fit in ``T`` threads."""
+    return T // (D // 4) * (D // 4)
 
 
 def head_group(G: int) -> int:
@@ -298,7 +304,9 @@ def _make_split(G, D, W=None, U=None, PF=None, MINB=None, FLAT=None, RS=None):
     U = KEYS if U is None else U
     PF = PREFETCH if PF is None else PF
     MINB = MIN_BLOCKS if MINB is None else MINB
-    L = D // 8            # lanes per key row: 8 dims (one 16-byte load) per lane
+    DL8 = D // 8          # lanes holding dims: 8 dims (one 16-byte load) per lane
+    L = 1 << (DL8 - 1).bit_length()   # lanes per key row: DL8 padded to a power of two; the rest load nothing
+    PAD = L != DL8
     R = 32 // L           # lane groups (independent streams) per warp
     LOGR = R.bit_length() - 1
     KPB = W * R * U       # keys per block step
@@ -326,12 +334,18 @@ def _make_split(G, D, W=None, U=None, PF=None, MINB=None, FLAT=None, RS=None):
         tid = cuda.threadIdx.x
         lane, wid = tid % 32, tid // 32
         d0 = 8 * (lane % L)
+        live = True
+        if PAD:
+            live = lane % L < DL8                  # a padding lane: zero q, K and V, so it adds nothing
         r_st = (wid * R + lane // L) * U           # this stream's first key of a step, relative to c0
         h0 = kvh * G
 
         qr = cuda.local.array(QN, float32)         # this lane's 8 dims of every query head, pre-scaled
         for h in range(G):
-            w0, w1, w2, w3 = la.ld8_ro(q, (b, h0 + h, d0))
+            if live:
+                w0, w1, w2, w3 = la.ld8_ro(q, (b, h0 + h, d0))
+            else:
+                w0 = w1 = w2 = w3 = uint32(0)
             _unpack8(qr, 8 * h, w0, w1, w2, w3, scale * float32(LOG2E))
         st = cuda.local.array(NST, float32)
         for i in range(MO):
@@ -354,7 +368,7 @@ def _make_split(G, D, W=None, U=None, PF=None, MINB=None, FLAT=None, RS=None):
         vq = (b * v.strides[0] + kvh * v.strides[2]) // 2 + (c0 + r_st) * v_row + d0
         if PF:
             for u in range(U):
-                if r_st + u < n:
+                if r_st + u < n and live:
                     if FLAT:
                         w0, w1, w2, w3 = _ld8_ro_at(k, kq + u * k_row)
                         x0, x1, x2, x3 = _ld8_ro_at(v, vq + u * v_row)
@@ -377,7 +391,7 @@ def _make_split(G, D, W=None, U=None, PF=None, MINB=None, FLAT=None, RS=None):
             else:
                 rn = r0
             for u in range(U):
-                if rn + u < n:
+                if rn + u < n and live:
                     if FLAT:
                         w0, w1, w2, w3 = _ld8_ro_at(k, kq + u * k_row)
                         x0, x1, x2, x3 = _ld8_ro_at(v, vq + u * v_row)
@@ -453,7 +467,7 @@ def _make_split(G, D, W=None, U=None, PF=None, MINB=None, FLAT=None, RS=None):
                 st[LO + h] = st[LO + h] * fa + ot[LO + h] * fb
                 for x in range(8):
                     st[8 * h + x] = st[8 * h + x] * fa + ot[8 * h + x] * fb
-        if lane < L:
+        if lane < DL8:
             for h in range(G):
                 for x in range(8):
                     sm_o[wid, h, d0 + x] = st[8 * h + x]
@@ -490,6 +504,7 @@ def _make_combine(D, T=None, CU=None):
     CU = C_UNROLL if CU is None else CU
     DL = D // 4            # dim lanes, 4 contiguous dims each
     SL = T // DL           # split lanes
+    T = SL * DL            # the block: whole split lanes (head_dim 80: 25 x 20 = 500 threads)
     CU4 = 4 * CU
 
     @mh.kernel(T)
@@ -581,7 +596,7 @@ def launch(q, k, v, seq_len, out, workspace, *, scale=None, stream):
     if (Hq % Hkv or D not in HEAD_DIMS or tuple(k.shape) != (B, S_max, Hkv, D)
             or tuple(v.shape) != tuple(k.shape) or tuple(out.shape) != (B, Hq, D) or seq_len.shape[0] < B):
         raise ValueError(f"decode shapes q{q.shape} k{k.shape} v{v.shape} out{out.shape} seq_len{seq_len.shape}: "
-                         f"need Hq % Hkv == 0, D in {HEAD_DIMS}")
+                         "need Hq % Hkv == 0 and D a multiple of 16 up to 256")
     if not la.vec8_ok(q, k, v):
         raise ValueError("decode attention needs 16-byte aligned, contiguous q, k and v rows")
     lay = _layout(B, Hq, Hkv, D, S_max)
@@ -604,7 +619,7 @@ def launch(q, k, v, seq_len, out, workspace, *, scale=None, stream):
                 split[(ns, 1, B), 32 * WARPS, st](la.narrow(q, 1, h, gs), kk, vv, seq_len,
                                                   la.narrow(part_m, 1, h, gs), la.narrow(part_l, 1, h, gs),
                                                   la.narrow(part_o, 1, h, gs), chunk, float32(scale))
-    _kernel("combine", D, C_THREADS, C_UNROLL)[(Hq, B), C_THREADS, st](
+    _kernel("combine", D, C_THREADS, C_UNROLL)[(Hq, B), combine_threads(D, C_THREADS), st](
         part_m, part_l, part_o, seq_len, out, chunk)
 
 

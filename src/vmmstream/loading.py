@@ -218,4 +218,4 @@ def _check_cuda_shapes(c) -> None:
             "sizes that are multiples of 8")
     if c.head_dim not in attention_decode.HEAD_DIMS:
         raise UnsupportedModelError(
-            f"head_dim {c.head_dim}: the CUDA decode attention takes head_dim in {attention_decode.HEAD_DIMS}")
+            f"head_dim {c.head_dim}: the CUDA decode attention takes a head_dim that is a multiple of 16 up to 256")

@@ -140,8 +140,10 @@ def test_decode_multi_query_and_wide_groups(stream, Hq, Hkv):
     assert_bf16_close(got, ref, 2e-3)
 
 
-def test_decode_head_dim_256(stream):
-    got, ref = decode_case(stream, 2, HQ // 4, 256, 8192, [1, 7001], seed=2)
+@pytest.mark.parametrize("Dh", [256, 80, 96, 112, 32])
+def test_decode_other_head_dims(stream, Dh):
+    """head_dim 256 (one lane group per warp), 80 / 96 / 112 (10 / 12 / 14 live lanes of 16), 32."""
+    got, ref = decode_case(stream, 2, HQ // 4, Dh, 8192, [1, 7001], seed=2)
     assert_bf16_close(got, ref, 2e-3)
 
 

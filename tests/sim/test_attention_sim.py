@@ -161,6 +161,8 @@ def run_decode(B, Hq, Hkv, D, S_max, lengths, three_d=False, seed=1):
     (1, 128, 150, [129], True),        # [S_max, Hkv, D] cache, 3 splits, last one holds a single key
     (2, 64, 70, [0, 5], False),        # an empty sequence gives zeros; only split 0 active
     (1, 256, 40, [33], True),          # head_dim 256: one lane group per warp (32 lanes x 8 dims)
+    (1, 80, 40, [33], True),           # head_dim 80: 10 live lanes of 16; pass 2 in whole split lanes (120 threads)
+    (2, 96, 24, [21, 3], False),       # head_dim 96: 12 live lanes of 16
 ])
 def test_decode_device_length(switch_interval, B, D, S_max, lengths, three_d):
     got, ref = run_decode(B, 4, 2, D, S_max, lengths, three_d)
