@@ -342,7 +342,7 @@ class Model:
         per_token = resident + p.streamed_bytes_per_token
         h2d_gbps = c["h2d_timed_bytes"] / (c["h2d_ms"] * 1e6) if c["h2d_ms"] > 0 else None
         dec_tps = c["decode_timed_tokens"] / (c["decode_ms"] / 1e3) if c["decode_ms"] > 0 else None
-        steps = c["eager_steps"] + c["graph_replays"]
+        steps = c["eager_steps"] + c["graph_replays"] + c["prefill_graph_replays"]
         out = {
             "strategy": p.strategy, "backend": self.backend,
             "prefill_tokens": c["prefill_tokens"], "decode_tokens": c["decode_tokens"],

@@ -347,9 +347,10 @@ class Weights:
                 if not attempt.errors:                 # forgotten only once its range is gone
                     del mem.arenas[self.arena_name]
         if self.host_ptr:
+            # never tried twice: a free that failed (or returned under a Ctrl-C) has an unknown outcome, and a
+            # second free of the same pointer could release someone else's allocation
             attempt(self.driver.host_free, self.host_ptr)
-            if not attempt.errors:
-                self.host_ptr = 0
+            self.host_ptr = 0
         attempt.raise_first()
 
 
