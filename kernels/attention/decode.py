@@ -631,9 +631,9 @@ _SPLIT_SIG = f"void({_U16_3D}, {_U16_4D}, {_U16_4D}, int32[::1], {_F32_3D}, {_F3
 _SWEPT = (64, 128)        # head dims whose pass-1 variants (addressing, summation) are compiled too
 SIGNATURES = (
     [(_make_split(G, D).py_func, _SPLIT_SIG) for G in (4, 1) for D in _SWEPT]
-    + [(_make_split(4, 256).py_func, _SPLIT_SIG)]
+    + [(_make_split(4, 256).py_func, _SPLIT_SIG), (_make_split(4, 96).py_func, _SPLIT_SIG)]   # padded lanes: 96
     + [(_make_split(4, D, FLAT=not FLAT_LOADS).py_func, _SPLIT_SIG) for D in _SWEPT]   # the other addressing
     + [(_make_split(G, D, RS=not SCATTER_SUM).py_func, _SPLIT_SIG) for G in (4, 3) for D in _SWEPT]
     + [(_make_combine(D).py_func, f"void({_F32_3D}, {_F32_3D}, {_F32_4D}, int32[::1], {_U16_3D}, int64)")
-       for D in HEAD_DIMS]
+       for D in (64, 128, 256, 96)]
 )

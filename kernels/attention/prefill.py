@@ -28,7 +28,8 @@ from vmmstream.kernels.base.workspace import NONE, Lifetime, WorkspaceRequiremen
 
 FUSED, FUSED_MMA, MATERIALIZED = "fused", "fused_mma", "materialized"
 ROUTES = (FUSED_MMA, FUSED, MATERIALIZED)
-FUSED_HEAD_DIMS = (64, 128)
+FUSED_HEAD_DIMS = (64, 128)                 # the fp32-FMA fused route
+MMA_HEAD_DIMS = tuple(range(16, 129, 16))   # the tensor-core fused route: Q and O fragments in registers up to 128
 CAPTURE_SAFE = True   # no allocation, no host sync, fixed grid for fixed shapes (prefill itself runs eagerly)
 NEG_INF = float32(-math.inf)
 LOG2E = 1.4426950408889634
@@ -55,7 +56,7 @@ def reference(q, k, v, *, start_pos=0, scale=None):
 
 def choose_route(T, Hq, Hkv, D, *, start_pos=0):
     """Fused tensor-core route where it applies, else the materialized fallback."""
-    if D in FUSED_HEAD_DIMS and Hq % Hkv == 0:
+    if D in MMA_HEAD_DIMS and Hq % Hkv == 0:
         return FUSED_MMA
     return MATERIALIZED
 
@@ -240,7 +241,9 @@ def _make_mma(D):
     KPAD, VPAD = DW + 4, BN // 2 + 4   # row strides in words: fragment reads hit 32 distinct banks
     QF, OF, SF = 4 * KQK, 4 * NO, 4 * NS   # fragment registers per thread: Q, O, S
     DG = D // 8
-    KU, VU = BN * DG // NT, BN // 2 * DG // NT   # 16-byte loads per thread: K tile, V tile (x2: key pairs)
+    KN, VN = BN * DG, BN // 2 * DG   # 16-byte loads of a K tile, of a V tile (x2: key pairs)
+    KU, VU = -(-KN // NT), -(-VN // NT)   # per thread; the last round partial where NT does not divide them
+    KREM, VREM = KN % NT != 0, VN % NT != 0   # (head_dim 80: 5 K rounds, 2.5 V rounds)
     MS0, MS1 = mh.SIM_MMA_SCRATCH      # simulator-only scratch (1 x 1 on the GPU)
     RS = mh.SIM_RED_SCRATCH
 
@@ -275,6 +278,8 @@ def _make_mma(D):
         for k0 in range(0, last, BN):
             cuda.syncthreads()                    # the previous tile's fragment reads are done
             for u in range(KU):
+                if KREM and tid + NT * u >= KN:
+                    break
                 c, dg = (tid + NT * u) // DG, (tid + NT * u) % DG
                 if k0 + c < n_keys:
                     w0, w1, w2, w3 = la.ld8(k, (k0 + c, kvh, 8 * dg))
@@ -282,6 +287,8 @@ def _make_mma(D):
                     w0 = w1 = w2 = w3 = uint32(0)
                 ks[c, 4 * dg], ks[c, 4 * dg + 1], ks[c, 4 * dg + 2], ks[c, 4 * dg + 3] = w0, w1, w2, w3
             for u in range(VU):
+                if VREM and tid + NT * u >= VN:
+                    break
                 # lanes take consecutive key pairs: the transposed stores hit 32 distinct banks
                 kp, dg = (tid + NT * u) % (BN // 2), (tid + NT * u) // (BN // 2)
                 c = k0 + 2 * kp
@@ -431,8 +438,9 @@ def launch(q, k, v, out, workspace, *, start_pos=0, scale=None, route=None, stre
     if Hq % Hkv or k.shape[2] != D or v.shape != k.shape or out.shape != q.shape or S < n_keys:
         raise ValueError(f"prefill shapes q{q.shape} k{k.shape} v{v.shape} out{out.shape} start_pos={start_pos}")
     route = route or choose_route(T, Hq, Hkv, D, start_pos=start_pos)
-    if route in (FUSED, FUSED_MMA) and D not in FUSED_HEAD_DIMS:
-        raise ValueError(f"route {route!r} takes head_dim in {FUSED_HEAD_DIMS}, got {D}; use {MATERIALIZED!r}")
+    dims = FUSED_HEAD_DIMS if route == FUSED else MMA_HEAD_DIMS
+    if route in (FUSED, FUSED_MMA) and D not in dims:
+        raise ValueError(f"route {route!r} takes head_dim in {dims}, got {D}; use {MATERIALIZED!r}")
     lay = _layout(T, Hq, D, start_pos, route)
     check_view(f"attention_prefill[{route}]", 0 if workspace is None else workspace.nbytes, lay.total)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
@@ -466,7 +474,7 @@ _FUSED_SIG = f"void({_U16_3D}, {_U16_3D}, {_U16_3D}, {_U16_3D}, int64, int64, fl
 _MMA_SIG = f"void({_U32_3D}, {_U16_3D}, {_U16_3D}, {_U32_3D}, int64, int64, float32, int64)"
 SIGNATURES = (
     [(_make_fused(d).py_func, _FUSED_SIG) for d in FUSED_HEAD_DIMS]
-    + [(_make_mma(d).py_func, _MMA_SIG) for d in FUSED_HEAD_DIMS]
+    + [(_make_mma(d).py_func, _MMA_SIG) for d in (64, 128, 96)]
     + [(_scores.py_func, f"void({_U16_3D}, {_U16_3D}, float32[:, :, ::1], int64, float32, int64)"),
        (_softmax_pv.py_func, f"void(float32[:, :, ::1], {_U16_3D}, {_U16_3D}, int64, int64)")]
 )

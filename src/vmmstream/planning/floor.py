@@ -13,7 +13,8 @@ MiB = 2**20
 GRANULARITY = 2 * MiB          # H200's VMM granularity (GPU.md); the driver's figure overrides it
 PREFILL_CHUNK = 512            # tokens per prefill launch the activation buffers are sized for
 BF16 = 2
-FUSED_HEAD_DIMS = (64, 128)    # head dims with a fused prefill route (no workspace); see kernels/attention/prefill.py
+FUSED_HEAD_DIMS = tuple(range(16, 129, 16))   # head dims with a fused prefill route (no workspace): MMA_HEAD_DIMS
+                                              # of kernels/attention/prefill.py
 _ARGMAX_SPLIT_CHUNK, _ARGMAX_MAX_SPLIT = 4096, 256    # kernels/sampling: greedy partials per row
 
 
