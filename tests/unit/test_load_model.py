@@ -28,6 +28,16 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def tiny_d24(tmp_path_factory):
+    """The tiny preset at head_dim 24 (not a multiple of 16): prefill takes the materialized route, with a step
+    workspace."""
+    import dataclasses
+    from vmmstream.model import get_preset
+    cfg = dataclasses.replace(get_preset("tiny").config, head_dim=24)
+    return make_checkpoint(cfg, tmp_path_factory.mktemp("tiny_d24"), seed=3)
+
+
+@pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     return make_checkpoint("qwen2-tiny", tmp_path_factory.mktemp("qwen"), seed=4)
 
@@ -187,11 +197,11 @@ def test_sampling_is_seeded_and_replayed_from_its_own_graph(tiny):
         mem.close()
 
 
-def test_i8_step_workspace_is_released_after_prefill(tiny):
+def test_i8_step_workspace_is_released_after_prefill(tiny_d24):
     mem = memory(64 << 20)
     try:
-        with vmmstream.load_model(tiny, memory=mem, max_context=MC) as m:
-            assert m.plan.workspace["step"] > 0              # head_dim 16: the materialized prefill route
+        with vmmstream.load_model(tiny_d24, memory=mem, max_context=MC) as m:
+            assert m.plan.workspace["step"] > 0              # head_dim 24: the materialized prefill route
             m.generate(PROMPT, 4)
             lease = mem.authority.leases[(m.holder, "workspace_step")]
             assert lease.committed == 0 and lease.peak == m.plan.workspace["step"]

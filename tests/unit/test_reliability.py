@@ -228,12 +228,16 @@ def test_retained_handles_are_counted_once(tiny):
     mem.close()
 
 
-def test_a_model_keeps_its_step_workspace_grant_between_calls(tiny):
+def test_a_model_keeps_its_step_workspace_grant_between_calls(tmp_path):
     """The step workspace is freed after every prefill (I8); its grant stays the model's, so another holder
-    granted everything left meanwhile cannot make the next call fail mid-way."""
-    f = fits(tiny)
+    granted everything left meanwhile cannot make the next call fail mid-way. (head_dim 24: the materialized
+    prefill route, which has a step workspace.)"""
+    import dataclasses
+    from vmmstream.model import get_preset, make_checkpoint
+    d24 = make_checkpoint(dataclasses.replace(get_preset("tiny").config, head_dim=24), tmp_path, seed=0)
+    f = fits(d24)
     mem = memory(2 * f)
-    with vmmstream.load_model(tiny, memory=mem, max_context=MC) as m:
+    with vmmstream.load_model(d24, memory=mem, max_context=MC) as m:
         want = m.generate(PROMPTS[0], 8)
         assert m.plan.workspace["step"] > 0
         other = mem.authority.lease("someone-else", "activations")
