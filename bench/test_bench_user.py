@@ -225,10 +225,16 @@ def test_bench_user_transformers(benchmark, checkpoints, tmp_path_factory, model
     acc = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="auto",
                                                max_memory={0: "2GiB", "cpu": "96GiB"})
     acc.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     acc.generate(ids, max_new_tokens=ACCEL_NEW, min_new_tokens=ACCEL_NEW, **kw)
     torch.cuda.synchronize()
     info["accelerate_2GiB_wall_tok_s"] = ACCEL_NEW / (time.perf_counter() - t0)
+    # accelerate's max_memory places weights only: what it really held on the GPU, and where its modules went
+    info["accelerate_2GiB_peak_allocated_GiB"] = torch.cuda.max_memory_allocated() / GiB
+    places = [str(d) for d in getattr(acc, "hf_device_map", {}).values()]
+    info["accelerate_2GiB_modules_by_device"] = {d: places.count(d) for d in sorted(set(places))}
     del acc
     torch.cuda.empty_cache()
     benchmark.extra_info.update(info)
