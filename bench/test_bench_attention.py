@@ -155,3 +155,54 @@ def test_bench_prefill(benchmark, S, route):
         "workspace_bytes": req.bytes, "sdpa_ms": sdpa, "sdpa_tflops": sdpa_tflops,
         "ratio_to_sdpa": tflops / sdpa_tflops, "timing": how,
     })
+
+
+# ------------------------------------------------------------------------ other head dims and groups
+
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (32, 8, 96), (32, 8, 80), (16, 8, 256), (32, 1, 128), (64, 4, 128)],
+                         ids=["d128", "d96", "d80", "d256", "mqa32", "g16"])
+def test_bench_decode_shapes(benchmark, hq, hkv, d, S=8192):
+    """Decode at the head dims and query groups real families use (padded lanes for 80 / 96; head groups of 8
+    for multi-query and 16 per KV head), beside SDPA on the same shapes; d128 is the reference shape."""
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(1, hq, d, device=dev, generator=g).to(torch.bfloat16)
+    k = torch.randn(S, hkv, d, device=dev, generator=g).to(torch.bfloat16)
+    v = torch.randn(S, hkv, d, device=dev, generator=g).to(torch.bfloat16)
+    out = torch.empty(1, hq, d, device=dev, dtype=torch.bfloat16)
+    lens = torch.full((1,), S, device=dev, dtype=torch.int32)
+    ws = torch.empty(ad.workspace_requirement(1, hq, hkv, d, S).bytes, device=dev, dtype=torch.uint8)
+    args = [nb(q), nb(k), nb(v), cuda.as_cuda_array(lens, sync=False), nb(out), nb(ws)]
+    ms, how = measure(benchmark, lambda: ad.launch(*args, stream=as_stream(torch.cuda.current_stream())), reps=20)
+    kt, vt = (x.permute(1, 0, 2).unsqueeze(0).contiguous() for x in (k, v))
+    sdpa = sdpa_ms(q.unsqueeze(2), kt, vt, False, reps=20)
+    kv_bytes = 2 * S * hkv * d * 2
+    benchmark.extra_info.update({
+        "S": S, "heads": f"{hq}q/{hkv}kv", "head_dim": d, "us": ms * 1e3, "gbps_kv": kv_bytes / (ms * 1e-3) / 1e9,
+        "sdpa_us": sdpa * 1e3, "sdpa_gbps_kv": kv_bytes / (sdpa * 1e-3) / 1e9, "ratio_to_sdpa": sdpa / ms,
+        "timing": how})
+
+
+@pytest.mark.parametrize("d", [128, 96, 80, 256])
+def test_bench_prefill_shapes(benchmark, d, S=2048, hq=32, hkv=8):
+    """Prefill at other head dims on the route ``choose_route`` takes (tensor cores up to 128, materialized at
+    256), beside SDPA."""
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(1)
+    q = torch.randn(S, hq, d, device=dev, generator=g).to(torch.bfloat16)
+    k = torch.randn(S, hkv, d, device=dev, generator=g).to(torch.bfloat16)
+    v = torch.randn(S, hkv, d, device=dev, generator=g).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    route = ap.choose_route(S, hq, hkv, d)
+    req = ap.workspace_requirement(S, hq, hkv, d, route=route)
+    ws = torch.empty(req.bytes, device=dev, dtype=torch.uint8) if req.bytes else None
+    args = [nb(q), nb(k), nb(v), nb(out), None if ws is None else nb(ws)]
+    ms, how = measure(benchmark, lambda: ap.launch(*args, route=route, stream=as_stream(torch.cuda.current_stream())),
+                      reps=3, rounds=3)
+    qt, kt, vt = (x.permute(1, 0, 2).unsqueeze(0).contiguous() for x in (q, k, v))
+    sdpa = sdpa_ms(qt, kt, vt, True, reps=3)
+    flops = ap.flops(S, hq, d)
+    benchmark.extra_info.update({
+        "S": S, "route": route, "heads": f"{hq}q/{hkv}kv", "head_dim": d, "ms": ms,
+        "tflops": flops / (ms * 1e-3) / 1e12, "sdpa_ms": sdpa, "sdpa_tflops": flops / (sdpa * 1e-3) / 1e12,
+        "ratio_to_sdpa": sdpa / ms, "timing": how})
