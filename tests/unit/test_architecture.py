@@ -31,6 +31,7 @@ RANKS = {
     "api": 8, "selfcheck": 8, "numba_plugin": 8, "cli_model": 8,
     "cli_run": 9,
     "cli": 10,
+    "__main__": 11,
     "vmmstream": 11,
 }
 

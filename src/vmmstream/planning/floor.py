@@ -15,6 +15,7 @@ PREFILL_CHUNK = 512            # tokens per prefill launch the activation buffer
 BF16 = 2
 FUSED_HEAD_DIMS = tuple(range(16, 129, 16))   # head dims with a fused prefill route (no workspace): MMA_HEAD_DIMS
                                               # of kernels/attention/prefill.py
+_BUFFERS, _ALIGN = 32, 256        # activation buffers at most (execution/step.py), each aligned to 256 bytes
 _ARGMAX_SPLIT_CHUNK, _ARGMAX_MAX_SPLIT = 4096, 256    # kernels/sampling: greedy partials per row
 
 
@@ -54,10 +55,11 @@ def activation_bytes(config, max_context: int, batch: int, granularity: int,
     """An *estimate* of the activation buffers, rounded up to a granule.
 
     For ``T = min(prefill_chunk, max_context)`` tokens of each of ``batch`` sequences, bf16:
-    4 hidden-sized buffers (residual stream, normed input, attention output, projection output),
-    q, k and v (``(Hq + 2·Hkv) · head_dim``) and 3 MLP-sized buffers (gate, up, gated product);
-    plus fp32 logits for one position per sequence (``vocab · 4 · batch``) and int32 token ids and
-    positions (``8 · T · batch``). Decode uses a prefix of the same buffers (T = 1). The MLP width is the
+    3 hidden-sized buffers (residual stream, normed input, projection output), q and the attention
+    output (``Hq · head_dim`` each: wider than hidden where ``Hq · head_dim > hidden``), k and v (``Hkv · head_dim``
+    each) and 3 MLP-sized buffers (gate, up, gated product); plus fp32 logits for one position per sequence
+    (``vocab · 4 · batch``), int32 token ids and positions (``8 · T · batch``), the int32 output tokens
+    (``4 · max_context``), the RoPE table and the alignment of every buffer. Decode uses a prefix of the same buffers (T = 1). The MLP width is the
     widest of the dense, routed-expert and shared-expert intermediate sizes; a mixture of experts adds fp32
     router logits (``4 · experts``), an fp32 accumulator of the routed experts' outputs (``4 · hidden``), the
     top-k ids, weights and slot mapping (``12 · k``), the shared-expert gate logit, and the experts' fp32
@@ -66,14 +68,15 @@ def activation_bytes(config, max_context: int, batch: int, granularity: int,
     t = min(prefill_chunk, max_context)
     width = max(config.intermediate_size, getattr(config, "moe_intermediate_size", 0),
                 getattr(config, "shared_expert_intermediate_size", 0))
-    per_token = BF16 * (4 * config.hidden_size
-                        + (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
+    q_dim = config.num_attention_heads * config.head_dim
+    per_token = BF16 * (3 * config.hidden_size + 2 * q_dim + 2 * config.num_key_value_heads * config.head_dim
                         + 3 * width)
     experts = getattr(config, "num_experts", 0)
     if experts:
         k = config.num_experts_per_tok
         per_token += 4 * experts + 4 * config.hidden_size + 12 * k + 4 + 4 * k * config.hidden_size
     raw = batch * t * (per_token + 8) + batch * config.vocab_size * 4
+    raw += 4 * max_context + 2 * config.head_dim + _BUFFERS * _ALIGN    # output tokens, RoPE table, alignment
     if experts:     # expert location table, routing counts, decode counters
         raw += 12 * config.num_hidden_layers * experts + 24 + 4 * 256
     return round_up(raw, granularity)
