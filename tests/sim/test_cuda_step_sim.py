@@ -16,7 +16,7 @@ import pytest
 
 import vmmstream
 from vmmstream.driver.host import HostDriver
-from vmmstream.execution import ops as ops_module
+from vmmstream.execution import engine as engine_module, ops as ops_module
 from vmmstream.memory import DeviceMemory
 from vmmstream.model import ModelConfig, make_checkpoint
 
@@ -57,13 +57,13 @@ def config(arch="LlamaForCausalLM", **kw):
 
 
 def run(path, budget_fn, cuda_ops, monkeypatch, **load):
-    if cuda_ops:
-        monkeypatch.setattr(ops_module, "make_ops", lambda driver: SimCudaOps(driver))
-    else:
-        monkeypatch.setattr(ops_module, "make_ops", lambda driver: ops_module.HostOps(driver))
+    make = (lambda driver: SimCudaOps(driver)) if cuda_ops else (lambda driver: ops_module.HostOps(driver))
+    monkeypatch.setattr(ops_module, "make_ops", make)
+    monkeypatch.setattr(engine_module, "make_ops", make)      # the engine holds its own reference
     mem = DeviceMemory(HostDriver(granularity=G, total_bytes=1 << 30), budget_fn(path))
     try:
         with vmmstream.load_model(path, memory=mem, max_context=MC, **load) as m:
+            assert isinstance(m.engine.ops, SimCudaOps) == cuda_ops
             tokens, logits = m.generate(PROMPT, NEW, return_logits=True, eos_token_id=[])
             return tokens, logits, m.plan, m.stats()
     finally:
