@@ -1,9 +1,16 @@
 """The reference side of the oracle tests (unit tier on the host backend, gpu tier on CUDA).
 
-A tiny random Llama / Mistral / Qwen2 is built with ``transformers``, saved in bf16 with ``save_pretrained``,
-and decoded greedily by transformers in float32 from those same bf16 weights. The output head is scaled up so
-greedy margins are mostly well above rounding, and Qwen2's q/k/v biases are random (transformers initialises
-them to zero, which would test nothing).
+A tiny random Llama / Mistral / Qwen2 / Qwen3 / Phi-3 is built with ``transformers``, saved in bf16 with
+``save_pretrained``, and decoded greedily by transformers in float32 from those same bf16 weights. The output
+head is scaled up so greedy margins are mostly well above rounding, and Qwen2's q/k/v biases are random
+(transformers initialises them to zero, which would test nothing).
+
+Phi-3 (fused qkv_proj / gate_up_proj) with longrope: "phi3" has an original context of 128, longer than any
+sequence here, so transformers uses short_factor throughout, as does a load with max_context <= 128; "phi3-partial"
+(Phi-4-mini's partial_rotary_factor 0.75) has an original context of 4, shorter than the prompt, so transformers
+uses long_factor at every call, as does a load with max_context > 4; "phi3-tied" is Phi-4-mini's form (partial
+rotary, tied embeddings) with short factors. All have longrope's attention factor (from max_position_embeddings /
+original_max_position_embeddings).
 """
 
 from __future__ import annotations
@@ -11,14 +18,31 @@ from __future__ import annotations
 import numpy as np
 import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
-                          MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                          MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
+
+
+def _phi3(partial: float, original: int, tied: bool, window):
+    """Phi-3 extras for ``common`` (factor lists sized by its head_dim): longrope with short factors near 1 and
+    long ones up to ~8, as Phi-3's are."""
+    def extra(common):
+        n = int(common["head_dim"] * partial) // 2
+        scaling = {"rope_type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(n)],
+                   "long_factor": [1.0 + 7.0 * i / max(1, n - 1) for i in range(n)]}
+        return {"rope_scaling": scaling, "original_max_position_embeddings": original,
+                "partial_rotary_factor": partial, "tie_word_embeddings": tied, "sliding_window": window,
+                "pad_token_id": None}
+    return extra
 
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM, {}),
          "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 4096}),
          "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": False}),
          "qwen2-tied": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True}),
          "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"tie_word_embeddings": False}),
+         "phi3": (Phi3Config, Phi3ForCausalLM, _phi3(1.0, 128, False, 2047)),
+         "phi3-partial": (Phi3Config, Phi3ForCausalLM, _phi3(0.75, 4, False, None)),
+         "phi3-tied": (Phi3Config, Phi3ForCausalLM, _phi3(0.75, 128, True, None)),
          # mixtures of experts: 6 experts, top-2; the expert size is Mixtral's intermediate_size
          "mixtral": (MixtralConfig, MixtralForCausalLM, {"num_local_experts": 6, "num_experts_per_tok": 2}),
          "qwen2-moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM,
@@ -41,6 +65,7 @@ def build_reference(arch: str, seed: int, out, common: dict, prompt: list[int], 
     ``quantize`` ("int4" | "mxfp4"): transformers runs on the weights vmmstream's ``quantize`` stores —
     each quantizable linear weight replaced by its exact fp32 dequantization."""
     cfg_cls, model_cls, extra = ARCHS[arch]
+    extra = extra(common) if callable(extra) else extra
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**common, **extra))
     with torch.no_grad():   # spread the logits so greedy margins are not all rounding-sized
@@ -63,7 +88,10 @@ def build_reference(arch: str, seed: int, out, common: dict, prompt: list[int], 
         from vmmstream.quantization import quantizable
         with torch.no_grad():
             for name, param in ref.named_parameters():
-                if quantizable(name, tuple(param.shape), quantize):
+                # Phi-3's fused q|k|v and gate|up: groups run along each row, so quantizing the stacked rows
+                # is quantizing each part, as vmmstream does once it has split them
+                unfused = name.replace(".qkv_proj.", ".q_proj.").replace(".gate_up_proj.", ".gate_proj.")
+                if quantizable(unfused, tuple(param.shape), quantize):
                     w = param.detach().numpy()
                     param.copy_(torch.from_numpy(dequantize(quantize_weight(w, quantize), quantize)))
                 elif name.endswith((".experts.gate_up_proj", ".experts.down_proj")):

@@ -1,13 +1,16 @@
 """Rotary position embedding, applied in place to q [T, Hq, D] and k [T, Hkv, D] (bf16).
 
-HF "rotate_half" convention: element i pairs with i + D/2, with the angle pos · inv_freq[i]:
-    x[i]       <- x[i] · cos - x[i + D/2] · sin
-    x[i + D/2] <- x[i + D/2] · cos + x[i] · sin
-Positions come from a device int32 array, so a captured decode graph reads the current position from
-device memory at replay. ``inv_freq`` is computed once on the host (default RoPE, linear and Llama-3
-scaling, following transformers' semantics) and passed as a device fp32 array.
+HF "rotate_half" convention over the first R = 2 · len(inv_freq) dims of a head (R = D, or less with a partial
+rotary factor): element i < R/2 pairs with i + R/2, with the angle pos · inv_freq[i], and cos, sin are
+multiplied by ``scale`` (transformers' ``attention_scaling``: 1, or longrope's attention factor):
+    x[i]       <- x[i] · cos - x[i + R/2] · sin
+    x[i + R/2] <- x[i + R/2] · cos + x[i] · sin
+dims R..D-1 pass unchanged. Positions come from a device int32 array, so a captured decode graph reads the
+current position from device memory at replay. ``inv_freq`` is computed once on the host (default RoPE, linear
+and Llama-3 scaling here; the model layer also computes longrope's, following transformers' semantics) and
+passed as a device fp32 array.
 
-One block per token: its threads first compute cos/sin of the D/2 angles into shared memory (once per
+One block per token: its threads first compute cos/sin of the R/2 angles into shared memory (once per
 token, not per head), then rotate every head of q and k 8 pairs at a time (two 16-byte loads, two
 16-byte stores per 8 pairs). cos/sin are fp32 and the result is rounded to bf16 once; HF rounds cos/sin
 and each product to bf16, so results differ from HF by about one bf16 ulp.
@@ -117,16 +120,18 @@ def _rot1(arr, t, h, i, half, cs, sn):
 
 @functools.lru_cache(maxsize=None)
 def _make(vec: int, threads: int):
-    def rope_kernel(q, k, positions, inv_freq, half):
+    def rope_kernel(q, k, positions, inv_freq, half, scale):
         # q: [T, Hq, D] bf16, k: [T, Hkv, D] bf16, both in place; positions: [T] int32;
-        # inv_freq: [D/2] fp32. grid: T; block: threads
+        # inv_freq: [half] fp32 (half = R/2 <= D/2); scale: on cos and sin. grid: T; block: threads
         t = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         cs = cuda.shared.array(MAX_HALF, np.float32)
         sn = cuda.shared.array(MAX_HALF, np.float32)
         pos = np.float32(positions[t])
         for i in range(tid, half, threads):
-            sn[i], cs[i] = _sincos(pos * inv_freq[i])
+            s, c = _sincos(pos * inv_freq[i])
+            sn[i] = s * scale
+            cs[i] = c * scale
         cuda.syncthreads()
         hq = q.shape[1]
         per_head = half // vec
@@ -173,9 +178,9 @@ def _rot1_to(arr, t, h, i, half, cs, sn, dst, p):
 
 @functools.lru_cache(maxsize=None)
 def _make_append(vec: int, threads: int):
-    def rope_append_kernel(q, k, v, ck, cv, positions, inv_freq, half):
-        # q: [T, Hq, D], k, v: [T, Hkv, D] bf16 (q and k rotated in place); ck, cv: [S_max, Hkv, D] the
-        # layer's cache (strided rows); rotated k and v go to row positions[t] when it is in [0, S_max).
+    def rope_append_kernel(q, k, v, ck, cv, positions, inv_freq, half, scale):
+        # q: [T, Hq, D], k, v: [T, Hkv, D] bf16 (q and k rotated in place, dims < 2 * half); ck, cv: [S_max, Hkv,
+        # D] the layer's cache (strided rows); rotated k and v go to row positions[t] when it is in [0, S_max).
         # grid: T; block: threads
         t = cuda.blockIdx.x
         tid = cuda.threadIdx.x
@@ -186,7 +191,9 @@ def _make_append(vec: int, threads: int):
         if p >= ck.shape[0]:
             p = -1
         for i in range(tid, half, threads):
-            sn[i], cs[i] = _sincos(pos * inv_freq[i])
+            s, c = _sincos(pos * inv_freq[i])
+            sn[i] = s * scale
+            cs[i] = c * scale
         cuda.syncthreads()
         hq, hkv = q.shape[1], k.shape[1]
         per_head = half // vec
@@ -204,7 +211,7 @@ def _make_append(vec: int, threads: int):
                 else:
                     _rot1_to(k, t, h - hq, j, half, cs, sn, ck, p)
         if p >= 0:
-            d = 2 * half
+            d = v.shape[2]
             per_row = d // vec
             for it in range(tid, hkv * per_row, threads):
                 h = it // per_row
@@ -214,6 +221,17 @@ def _make_append(vec: int, threads: int):
                     st8(cv, (p, h, j), w0, w1, w2, w3)
                 else:
                     cv[p, h, j] = v[t, h, j]
+            # k's unrotated dims (a partial rotary factor): copied as they are; no thread writes them above
+            rot = 2 * half
+            per_tail = (d - rot) // vec
+            for it in range(tid, hkv * per_tail, threads):
+                h = it // per_tail
+                j = rot + (it - h * per_tail) * vec
+                if vec == 8:
+                    w0, w1, w2, w3 = ld8(k, (t, h, j))
+                    st8(ck, (p, h, j), w0, w1, w2, w3)
+                else:
+                    ck[p, h, j] = k[t, h, j]
 
     return jit(rope_append_kernel)
 
@@ -223,42 +241,50 @@ def workspace_requirement(tokens: int, q_heads: int, kv_heads: int, head_dim: in
     return NONE
 
 
-def apply_rope(q, k, positions, inv_freq, *, workspace=None, stream=None, threads: int = 128):
-    """Rotate q [T, Hq, D] and k [T, Hkv, D] (bf16, in place) at positions [T] (int32 device array)."""
+def _rotary_half(inv_freq, d: int) -> int:
+    """R/2: the pairs ``inv_freq`` rotates, 1 <= R/2 <= D/2 and <= MAX_HALF (else -1)."""
+    half = inv_freq.shape[0] if len(inv_freq.shape) == 1 else -1
+    return half if 1 <= half <= min(d // 2, MAX_HALF) else -1
+
+
+def apply_rope(q, k, positions, inv_freq, *, scale: float = 1.0, workspace=None, stream=None, threads: int = 128):
+    """Rotate the first 2 · len(inv_freq) dims of q [T, Hq, D] and k [T, Hkv, D] (bf16, in place) at positions [T]
+    (int32 device array), cos and sin times ``scale``."""
     t, hq, d = q.shape
     check_workspace("rope", workspace, workspace_requirement(t, hq, k.shape[1], d).bytes)
-    half = d // 2
-    if (d % 2 or k.shape[0] != t or k.shape[2] != d or positions.shape != (t,)
-            or inv_freq.shape != (half,) or half > MAX_HALF):
+    half = _rotary_half(inv_freq, d)
+    if d % 2 or k.shape[0] != t or k.shape[2] != d or positions.shape != (t,) or half < 0:
         raise ValueError(f"rope shapes: q {q.shape}, k {k.shape}, positions {positions.shape}, "
-                         f"inv_freq {inv_freq.shape} (head_dim even, <= {2 * MAX_HALF})")
-    # 8-pair groups need D/2 % 8 == 0 and 16-byte aligned halves
+                         f"inv_freq {inv_freq.shape} (head_dim even, <= {2 * MAX_HALF}; 1 to head_dim / 2 "
+                         "frequencies)")
+    # 8-pair groups need R/2 % 8 == 0 and 16-byte aligned halves
     vec = 8 if half % 8 == 0 and vec8_ok(q, k) else 1
-    _make(vec, check_threads(threads))[t, threads, as_stream(stream)](q, k, positions, inv_freq, half)
+    _make(vec, check_threads(threads))[t, threads, as_stream(stream)](q, k, positions, inv_freq, half,
+                                                                     np.float32(scale))
 
 
-def apply_rope_append_kv(q, k, v, ck, cv, positions, inv_freq, *, workspace=None, stream=None,
+def apply_rope_append_kv(q, k, v, ck, cv, positions, inv_freq, *, scale: float = 1.0, workspace=None, stream=None,
                          threads: int = 128):
     """``apply_rope`` on q and k, then rotated k and v written to the layer's cache rows ``positions[t]``
     (ck, cv: [S_max, Hkv, D], rows may be strided; a position outside [0, S_max) writes nothing), in one
     launch: what a decode step did with a RoPE launch and a KV-append launch."""
     t, hq, d = q.shape
     check_workspace("rope_append_kv", workspace, workspace_requirement(t, hq, k.shape[1], d).bytes)
-    half = d // 2
+    half = _rotary_half(inv_freq, d)
     hkv = k.shape[1]
     if (d % 2 or tuple(k.shape) != (t, hkv, d) or tuple(v.shape) != (t, hkv, d) or positions.shape != (t,)
-            or inv_freq.shape != (half,) or half > MAX_HALF or ck.shape[1:] != (hkv, d)
-            or tuple(cv.shape) != tuple(ck.shape)):
+            or half < 0 or ck.shape[1:] != (hkv, d) or tuple(cv.shape) != tuple(ck.shape)):
         raise ValueError(f"rope_append_kv shapes: q {q.shape}, k {k.shape}, v {v.shape}, cache {ck.shape} / "
                          f"{cv.shape}, positions {positions.shape}, inv_freq {inv_freq.shape}")
-    vec = 8 if half % 8 == 0 and vec8_ok(q, k, v, ck, cv) else 1
+    # 8-wide groups: the rotated halves, v's rows and k's unrotated tail all in whole 16-byte words
+    vec = 8 if half % 8 == 0 and d % 8 == 0 and vec8_ok(q, k, v, ck, cv) else 1
     _make_append(vec, check_threads(threads))[t, threads, as_stream(stream)](q, k, v, ck, cv, positions, inv_freq,
-                                                                            half)
+                                                                            half, np.float32(scale))
 
 
-def reference_append_kv(q, k, v, ck, cv, positions, inv_freq):
+def reference_append_kv(q, k, v, ck, cv, positions, inv_freq, scale: float = 1.0):
     """NumPy twin of ``apply_rope_append_kv``: returns (q', k', ck', cv') as new arrays."""
-    qr, kr = reference(q, positions, inv_freq), reference(k, positions, inv_freq)
+    qr, kr = reference(q, positions, inv_freq, scale), reference(k, positions, inv_freq, scale)
     ck, cv = np.array(ck), np.array(cv)
     for t, p in enumerate(np.asarray(positions)):
         if 0 <= p < ck.shape[0]:
@@ -267,15 +293,17 @@ def reference_append_kv(q, k, v, ck, cv, positions, inv_freq):
     return qr, kr, ck, cv
 
 
-def reference(x, positions, inv_freq) -> np.ndarray:
-    """x [T, H, D] bf16 bits -> rotated bf16 bits; fp32 angles and cos/sin (like the kernel), fp64 products."""
+def reference(x, positions, inv_freq, scale: float = 1.0) -> np.ndarray:
+    """x [T, H, D] bf16 bits -> bf16 bits, the first 2 · len(inv_freq) dims rotated, the rest as they are; fp32
+    angles and cos/sin times ``scale`` (like the kernel), fp64 products."""
     xf = bf16_to_f32(x).astype(np.float64)
-    half = xf.shape[-1] // 2
-    ang = np.asarray(positions).astype(np.float32)[:, None] * np.asarray(inv_freq, np.float32)[None, :]
-    c = np.cos(ang).astype(np.float32).astype(np.float64)[:, None, :]
-    s = np.sin(ang).astype(np.float32).astype(np.float64)[:, None, :]
-    x1, x2 = xf[..., :half], xf[..., half:]
-    out = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    inv = np.asarray(inv_freq, np.float32)
+    half = inv.shape[0]
+    ang = np.asarray(positions).astype(np.float32)[:, None] * inv[None, :]
+    c = (np.cos(ang).astype(np.float32) * np.float32(scale)).astype(np.float64)[:, None, :]
+    s = (np.sin(ang).astype(np.float32) * np.float32(scale)).astype(np.float64)[:, None, :]
+    x1, x2, tail = xf[..., :half], xf[..., half:2 * half], xf[..., 2 * half:]
+    out = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, tail], axis=-1)
     return f32_to_bf16(out.astype(np.float32))
 
 
@@ -288,10 +316,10 @@ def flops(tokens: int, q_heads: int, kv_heads: int, head_dim: int) -> int:
     return 3 * tokens * (q_heads + kv_heads) * head_dim
 
 
-_SIG = "void(uint16[:, :, ::1], uint16[:, :, ::1], int32[::1], float32[::1], int64)"
-_SIG_STRIDED = "void(uint16[:, :, :], uint16[:, :, :], int32[::1], float32[::1], int64)"  # q/k views of qkv
+_SIG = "void(uint16[:, :, ::1], uint16[:, :, ::1], int32[::1], float32[::1], int64, float32)"
+_SIG_STRIDED = "void(uint16[:, :, :], uint16[:, :, :], int32[::1], float32[::1], int64, float32)"  # views of qkv
 _SIG_APPEND = ("void(uint16[:, :, ::1], uint16[:, :, ::1], uint16[:, :, ::1], uint16[:, :, :], uint16[:, :, :], "
-               "int32[::1], float32[::1], int64)")
+               "int32[::1], float32[::1], int64, float32)")
 SIGNATURES = [(_make(8, 128).py_func, _SIG), (_make(8, 128).py_func, _SIG_STRIDED),
               (_make(1, 128).py_func, _SIG), (_make_append(8, 128).py_func, _SIG_APPEND),
               (_make_append(1, 128).py_func, _SIG_APPEND)]

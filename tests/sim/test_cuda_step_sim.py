@@ -103,6 +103,23 @@ def test_dense_cuda_step_matches_host(tmp_path, monkeypatch, arch, where):
     compare(host, sim)
 
 
+def test_phi3_cuda_step_matches_host(tmp_path, monkeypatch):
+    """Phi-3 through the CUDA adapter: q/k/v and gate/up read as row ranges of the fused checkpoint tensors (fused
+    decode launches over them), longrope with its attention factor, RoPE on 48 of head_dim 64 (the 8-wide path
+    with an unrotated tail copied to the cache), streamed."""
+    n = 24
+    cfg = config("Phi3ForCausalLM", partial_rotary_factor=0.75, sliding_window=2047,
+                 rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(n)],
+                               "long_factor": [1.0 + 0.3 * i for i in range(n)],
+                               "original_max_position_embeddings": 16})
+    path = make_checkpoint(cfg, tmp_path, seed=8)
+    full = budgets(path)
+    host = run(path, lambda _: full.floor + full.weight_bytes // 2, False, monkeypatch)
+    sim = run(path, lambda _: full.floor + full.weight_bytes // 2, True, monkeypatch)
+    assert sim[2].strategy == "streamed" and any("long_factor" in note for note in sim[2].notes)
+    compare(host, sim)
+
+
 @pytest.mark.parametrize("kind", ["mxfp4", "int4"])
 def test_quantized_cuda_step_matches_host(tmp_path, monkeypatch, kind):
     """quantize= through the CUDA adapter: qgemv in decode, qgemm (in-register route) in prefill."""

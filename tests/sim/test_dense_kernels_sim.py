@@ -259,6 +259,43 @@ def test_rope_append_kv_matches_rope_then_append(d):
     np.testing.assert_array_equal(out[5, 1, 0], dk.copy_to_host()[0])  # the cache holds the rotated k
 
 
+@pytest.mark.parametrize("d,rot,scale", [(32, 16, 1.25), (16, 12, 1.5), (10, 6, 1.0)])
+def test_partial_rope_and_scale_match_reference(d, rot, scale):
+    """A partial rotary factor (only the first ``rot`` dims rotate, pairs i and i + rot/2; Phi-4-mini) and cos/sin
+    times ``scale`` (longrope's attention factor): the 8-wide path (rot/2 % 8 == 0) and the scalar one; the
+    unrotated dims come back bit for bit, in q and k and in the cache rows the fused append writes."""
+    rng = np.random.default_rng(d + rot)
+    t, hq, hkv, s_max = 3, 4, 2, 6
+    q, k, v = bf16(rng, (t, hq, d)), bf16(rng, (t, hkv, d)), bf16(rng, (t, hkv, d))
+    pos = np.array([2, 0, 5], np.int32)
+    inv = rope.rope_inv_freq(rot, 10000.0)
+    assert inv.shape == (rot // 2,)
+    dq, dk = dev(q), dev(k)
+    rope.apply_rope(dq, dk, dev(pos), dev(inv), scale=scale, threads=32)
+    for got, x in ((dq, q), (dk, k)):
+        want = rope.reference(x, pos, inv, scale)
+        g = got.copy_to_host()
+        np.testing.assert_array_equal(g[..., rot:], x[..., rot:])
+        gf, wf = bf16_to_f32(g), bf16_to_f32(want)
+        assert np.all(np.abs(gf - wf) <= 2 ** -7 * np.abs(wf) + 1e-6)
+    # position 0: cos 1, sin 0, so the rotated dims are only scaled
+    np.testing.assert_allclose(bf16_to_f32(dq.copy_to_host())[1, :, :rot], bf16_to_f32(q)[1, :, :rot] * scale,
+                               rtol=2 ** -8)
+    cache = bf16(rng, (s_max, 2, hkv, d))
+    dq, dk, dv, dc = dev(q), dev(k), dev(v), dev(cache)
+    rope.apply_rope_append_kv(dq, dk, dv, dc[:, 0], dc[:, 1], dev(pos), dev(inv), scale=scale, threads=32)
+    wq, wk, wck, wcv = rope.reference_append_kv(q, k, v, cache[:, 0], cache[:, 1], pos, inv, scale)
+    out = dc.copy_to_host()
+    for got, want in ((dq.copy_to_host(), wq), (dk.copy_to_host(), wk), (out[:, 0], wck)):
+        np.testing.assert_array_equal(got[..., rot:], want[..., rot:])
+        g, w = bf16_to_f32(got), bf16_to_f32(want)
+        assert np.all(np.abs(g - w) <= 2 ** -7 * np.abs(w) + 1e-6)
+    np.testing.assert_array_equal(out[:, 1], wcv)
+    np.testing.assert_array_equal(out[pos, 0], dk.copy_to_host())     # the cache rows hold all of the new k
+    with pytest.raises(ValueError, match="rope shapes"):
+        rope.apply_rope(dq, dk, dev(pos), dev(np.ones(d // 2 + 1, np.float32)))
+
+
 def test_rope_inv_freq_semantics():
     d, theta = 128, 500000.0
     base = rope.rope_inv_freq(d, theta)

@@ -1,6 +1,6 @@
 """Oracle: our greedy decode on the host backend against Hugging Face transformers (CPU torch, float32).
 
-Tiny random Llama, Mistral and Qwen2 models are built with ``transformers``, saved in bf16 with
+Tiny random Llama, Mistral, Qwen2, Qwen3 and Phi-3 models are built with ``transformers``, saved in bf16 with
 ``save_pretrained``, and loaded twice: by us (bf16 weights, fp32 math, bf16 activations — what the CUDA
 kernels do) and by transformers in float32 (the same bf16 weight values, upcast exactly, no activation
 rounding). So the reference is the exact math on our weights and our error is only activation rounding.
@@ -11,8 +11,8 @@ layer, amplified by the attention softmax, so 2 % is a bound with room, not a fi
 equal for all 32 new tokens (fixed seeds, so the outcome is deterministic; the untied models produce 11-21
 distinct tokens, so this is a real trajectory, not a repeated fixed point). The output heads are scaled up
 (logits of std ~3 instead of ~0.2) so that greedy margins are mostly well above rounding; Qwen2's q/k/v
-biases are random (transformers initialises them to zero, which would test nothing). The tied Qwen2 variant
-settles on one token, so for it the logits tolerance is the informative check. Resident and streamed.
+biases are random (transformers initialises them to zero, which would test nothing). The tied Qwen2 and Phi-3
+variants settle on one token, so for them the logits tolerance is the informative check. Resident and streamed.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_
 
 
 SEEDS = {"llama": 0, "mistral": 3, "qwen2": 1, "qwen2-tied": 0, "qwen3": 2,
+         # Phi-3 (hf_oracle: fused qkv / gate_up, longrope short set; partial rotary with the long set; tied):
+         # seeds whose reference top-2 margins stay above 3 % of max |logit| at every step
+         "phi3": 8, "phi3-partial": 8, "phi3-tied": 0,
          "llama/float16": 1, "qwen2/float32": 1}     # checkpoints saved in fp16 / fp32: rounded to bf16 at load
 # (the reference runs on the unrounded weights, so a near-tie can flip: seeds whose margins exceed that rounding)
 

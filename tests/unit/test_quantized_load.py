@@ -1,6 +1,6 @@
 """Quantize at load (``load_model(..., quantize="int4" | "mxfp4")``) on the host backend.
 
-Oracle: a tiny random Llama and Qwen2 from ``transformers`` (hidden 128, intermediate 256, so every linear
+Oracle: a tiny random Llama, Qwen2 and Phi-3 from ``transformers`` (hidden 128, intermediate 256, so every linear
 weight's input dim is a multiple of both groups), saved in bf16. transformers then runs in float32 on the
 *dequantized* weights — each linear weight replaced by dequantize(quantize(w)), exact in fp32 — which are
 the weights our quantized kernels compute with; so, as in ``test_oracle.py``, our error is activation
@@ -31,7 +31,8 @@ MC = 64
 COMMON = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-5,
               initializer_range=0.02, bos_token_id=1, eos_token_id=2)
-CASES = [("llama", "int4", 0), ("llama", "mxfp4", 3), ("qwen2", "int4", 1)]   # seeds: greedy margins above rounding
+CASES = [("llama", "int4", 0), ("llama", "mxfp4", 3), ("qwen2", "int4", 1),     # seeds: greedy margins above rounding
+         ("phi3", "int4", 7), ("phi3-partial", "mxfp4", 1)]     # Phi-3: q/k/v, gate/up split from fused tensors
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{a}-{q}" for a, q, _ in CASES])

@@ -104,10 +104,8 @@ class Engine:
         self._lay = lay
         self.streamer = Streamer(d, self.S, self.C, self.weights.streamed, plan.slot_count)
         self.step = Step(self.ops, self.S, self.weights, self.kv, self.acts, self.streamer, c, self.ws_session)
-        # RoPE frequencies computed as transformers does (the kernels import Numba: only once a model loads)
-        from vmmstream.kernels.ops.rope import rope_inv_freq
-        inv = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
-        self._h2d(self.acts.addr("inv_freq"), "inv_freq", inv)
+        # RoPE frequencies computed as transformers does; longrope's factor list is chosen by max_context
+        self._h2d(self.acts.addr("inv_freq"), "inv_freq", c.rope_inv_freq(plan.max_context))
         # warm-up: one eager decode step compiles and loads every decode kernel before the capture
         self._set_scalars(token=0, position=0, length=1)
         self._eager(lambda: self.step.decode(None, timed=True))

@@ -142,16 +142,16 @@ class HostOps:
         ref = self.k["gemv"].reference_gate_up_silu
         self._run(s, lambda: self._copy(out, ref(w_gate, w_up, x).reshape(out.shape)))
 
-    def rope(self, s, q, k, positions, inv_freq):
+    def rope(self, s, q, k, positions, inv_freq, scale: float = 1.0):
         ref = self.k["rope"].reference
 
         def run():
-            q[...] = ref(q, positions, inv_freq)
-            k[...] = ref(k, positions, inv_freq)
+            q[...] = ref(q, positions, inv_freq, scale)
+            k[...] = ref(k, positions, inv_freq, scale)
         self._run(s, run)
 
-    def rope_kv_append(self, s, q, k, v, ck, cv, positions, inv_freq):
-        self.rope(s, q, k, positions, inv_freq)
+    def rope_kv_append(self, s, q, k, v, ck, cv, positions, inv_freq, scale: float = 1.0):
+        self.rope(s, q, k, positions, inv_freq, scale)
         self.kv_append(s, k, v, ck, cv, positions)
 
     def kv_append(self, s, k, v, ck, cv, positions):
@@ -465,13 +465,13 @@ class CudaOps:
         self.launches += 1
         self.k["gemv"].gemv_gate_up_silu(w_gate, w_up, x, out, stream=self._s(s))
 
-    def rope(self, s, q, k, positions, inv_freq):
+    def rope(self, s, q, k, positions, inv_freq, scale: float = 1.0):
         self.launches += 1
-        self.k["rope"].apply_rope(q, k, positions, inv_freq, stream=self._s(s))
+        self.k["rope"].apply_rope(q, k, positions, inv_freq, scale=scale, stream=self._s(s))
 
-    def rope_kv_append(self, s, q, k, v, ck, cv, positions, inv_freq):
+    def rope_kv_append(self, s, q, k, v, ck, cv, positions, inv_freq, scale: float = 1.0):
         self.launches += 1
-        self.k["rope"].apply_rope_append_kv(q, k, v, ck, cv, positions, inv_freq, stream=self._s(s))
+        self.k["rope"].apply_rope_append_kv(q, k, v, ck, cv, positions, inv_freq, scale=scale, stream=self._s(s))
 
     def kv_append(self, s, k, v, ck, cv, positions):
         if self._kv_kernel is None:

@@ -49,7 +49,7 @@ class Activations:
             "next": ((1,), np.int32, False), "inp": ((1,), np.int32, False),
             "positions": ((1,), np.int32, False), "lens": ((1,), np.int32, False),
             "rng": ((4,), np.uint64, False), "out_tokens": ((1, plan.max_context), np.int32, False),
-            "inv_freq": ((c.head_dim // 2,), np.float32, False),
+            "inv_freq": ((c.rotary_dim // 2,), np.float32, False),     # RoPE table: the rotated pairs only
         }
         if c.is_moe:
             E, k = c.num_experts, c.num_experts_per_tok
@@ -124,6 +124,7 @@ class Step:
         self.ops, self.S, self.w, self.kv, self.acts = ops, stream, weights, kv, acts
         self.streamer, self.c, self.ws_session = streamer, config, ws_session
         self.eps = float(config.rms_norm_eps)
+        self.rope_scale = float(config.rope_attention_factor)     # on cos and sin: 1 except for longrope
         self.head = config.decode_schedule()[-1]
 
     def _fusable(self, names) -> bool:
@@ -168,7 +169,8 @@ class Step:
                 qn, kn = p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"
                 self._use([qn, kn], lambda: (o.rmsnorm(S, a.qh, W(qn), a.qh, self.eps),
                                              o.rmsnorm(S, a.kh, W(kn), a.kh, self.eps)))
-            o.rope_kv_append(S, a.q3, a.k3, a.v3, self.kv.k(layer), self.kv.v(layer), pos, a.inv_freq)
+            o.rope_kv_append(S, a.q3, a.k3, a.v3, self.kv.k(layer), self.kv.v(layer), pos, a.inv_freq,
+                             self.rope_scale)
             if decode:
                 o.attn_decode(S, a.q3, self.kv.k4(layer), self.kv.v4(layer), a.lens, a.attn3, self.ws_session)
             else:

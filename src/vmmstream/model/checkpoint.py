@@ -213,8 +213,9 @@ def read_headers(path) -> dict[str, TensorInfo]:
 
 
 def validate_tensors(config: ModelConfig, tensors: Mapping[str, TensorInfo]) -> dict[str, TensorInfo]:
-    """Check names, shapes and dtypes against the config; return the tensors in the config's order."""
-    expected = config.tensor_shapes()
+    """Check names, shapes and dtypes against the config (the checkpoint's names: fused tensors whole); return
+    the tensors the model reads, in the config's order, a fused tensor's parts as tensors of their own."""
+    expected = config.checkpoint_shapes()
     problems = []
     missing = [n for n in expected if n not in tensors]
     if missing:
@@ -234,7 +235,26 @@ def validate_tensors(config: ModelConfig, tensors: Mapping[str, TensorInfo]) -> 
         raise CheckpointError(
             f"checkpoint does not match its {config.architecture} config ({len(problems)} problem(s)): "
             f"{_first(problems)}. Is config.json the one for these weights?", problems)
-    return {n: tensors[n] for n in expected}
+    out = {n: tensors[n] for n in expected}
+    for name, parts in config.fused_tensors().items():
+        out.update(split_rows(out.pop(name), parts))
+    return {n: out[n] for n in config.tensor_shapes()}
+
+
+def split_rows(info: TensorInfo, parts) -> dict[str, TensorInfo]:
+    """A 2-D tensor's consecutive row blocks ``parts`` ((name, rows), ...) as tensors of their own: each is a
+    contiguous byte range of ``info`` in the same file, so it is read directly, never the whole tensor."""
+    rows, cols = info.shape
+    if sum(r for _, r in parts) != rows or info.dtype not in DTYPES:
+        raise CheckpointError(f"tensor {info.name} {info.dtype}{list(info.shape)} cannot be split into "
+                              f"{', '.join(f'{n} ({r} rows)' for n, r in parts)}")
+    row_bytes = cols * DTYPES[info.dtype].itemsize
+    out, first = {}, 0
+    for name, r in parts:
+        out[name] = TensorInfo(name, info.dtype, (r, cols), r * row_bytes, info.file,
+                               info.offset + first * row_bytes)
+        first += r
+    return out
 
 
 def open_checkpoint(path, *, validate: bool = True) -> Checkpoint:

@@ -1,8 +1,9 @@
-"""A decoder's shape, parsed from a Hugging Face ``config.json``: dense (Llama, Mistral, Qwen2) or mixture of
-experts (Mixtral; Qwen2-MoE with its shared expert).
+"""A decoder's shape, parsed from a Hugging Face ``config.json``: dense (Llama, Mistral, Qwen2, Qwen3, Phi-3) or
+mixture of experts (Mixtral; Qwen2-MoE with its shared expert; Qwen3-MoE).
 
 ``ModelConfig`` also names the model's tensors and the order a decode step reads them, because that
-is architecture knowledge: the checkpoint reader validates against ``tensor_shapes()`` and the
+is architecture knowledge: the checkpoint reader validates against ``checkpoint_shapes()`` (Phi-3's fused
+tensors whole), hands out ``tensor_shapes()`` (their parts as tensors of their own) and the
 planner streams in ``decode_schedule()`` order (it calls the method, so planning never imports this
 layer; DESIGN §2).
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import VmmstreamError
+from . import rope
 
 
 class UnsupportedModelError(VmmstreamError, ValueError):
@@ -29,14 +31,15 @@ ARCHITECTURES = {
     "Qwen2MoeForCausalLM": ("qwen2_moe", 32768),
     "Qwen3ForCausalLM": ("qwen3", 40960),
     "Qwen3MoeForCausalLM": ("qwen3_moe", 40960),
+    "Phi3ForCausalLM": ("phi3", 4096),        # Phi-3 and Phi-3.5 mini / medium, Phi-4, Phi-4-mini
 }
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 _QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 _QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")   # an RMSNorm over each head of q and k, before RoPE
+_FUSED = ("Phi3ForCausalLM",)   # checkpoints hold q|k|v as one qkv_proj and gate|up as one gate_up_proj (by rows)
 _BY_MODEL_TYPE = {mt: arch for arch, (mt, _) in ARCHITECTURES.items()}
 _LIMITS = {"num_hidden_layers": 1024, "num_experts": 4096, "num_experts_per_tok": 4096, "num_attention_heads": 4096, "num_key_value_heads": 4096, "head_dim": 4096}
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -52,7 +55,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = field(default=None, hash=False)   # llama3 only; None = plain RoPE
+    rope_scaling: dict | None = field(default=None, hash=False)   # llama3 or longrope (Phi-3); None: plain RoPE
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False       # q/k/v biases (Qwen2); no o_proj bias
@@ -64,6 +67,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0     # each routed expert's intermediate size
     norm_topk_prob: bool = False       # renormalise the top-k routing weights to sum to 1 (Mixtral: always)
     shared_expert_intermediate_size: int = 0   # Qwen2-MoE's always-on expert (with a sigmoid gate); 0: none
+    partial_rotary_factor: float = 1.0   # RoPE on the first int(head_dim * this) dims of a head (Phi-4-mini: 0.75)
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -94,7 +98,12 @@ class ModelConfig:
                 f"torch_dtype={self.torch_dtype!r} is not supported; checkpoints must be one of {', '.join(DTYPES)}")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
             raise UnsupportedModelError(f"sliding_window={self.sliding_window!r} must be a positive integer or null")
-        _check_rope_scaling(self.rope_scaling)
+        try:
+            rope.check(self.rope_scaling, longrope_ok=self.architecture in _FUSED, head_dim=self.head_dim,
+                       partial_rotary_factor=self.partial_rotary_factor,
+                       max_position_embeddings=self.max_position_embeddings)
+        except rope.RopeConfigError as exc:
+            raise UnsupportedModelError(str(exc)) from None
         if self.is_moe:
             for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
                 v = getattr(self, name)
@@ -136,23 +145,26 @@ class ModelConfig:
         """K and V of every layer for one position of one sequence."""
         return 2 * self.num_hidden_layers * self.kv_dim * itemsize
 
-    def rope_inv_freq(self):
-        """RoPE inverse frequencies [head_dim / 2] (fp32, computed as transformers does), llama3 scaling applied."""
-        import numpy as np
-        d = self.head_dim
-        inv = (1.0 / (np.float32(self.rope_theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d))))
-        inv = inv.astype(np.float32)
-        s = self.rope_scaling
-        if s is None:
-            return inv
-        factor, lo, hi = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
-        old = float(s["original_max_position_embeddings"])
-        wavelen = 2 * np.pi / inv
-        scaled = np.where(wavelen > old / lo, inv / factor, inv)
-        smooth = (old / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
-        return np.where(medium, smoothed, scaled).astype(np.float32)
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of a head that RoPE rotates (the first ones); the rest pass unrotated."""
+        return rope.rotary_dim(self.head_dim, self.partial_rotary_factor)
+
+    @property
+    def rope_attention_factor(self) -> float:
+        """The factor on cos and sin (transformers' ``attention_scaling``): 1 except for longrope."""
+        return rope.attention_factor(self.rope_scaling, self.max_position_embeddings)
+
+    def rope_factor_set(self, max_context: int | None = None) -> str | None:
+        """longrope: "short" or "long", the factor list a model loaded for ``max_context`` uses (see
+        ``vmmstream.model.rope``); None for other RoPE."""
+        return rope.factor_set(self.rope_scaling, max_context)
+
+    def rope_inv_freq(self, max_context: int | None = None):
+        """RoPE inverse frequencies [rotary_dim / 2] (fp32, computed as transformers does), scaling applied;
+        longrope's factor list is the one for ``max_context``."""
+        return rope.inv_freq(self.head_dim, self.rope_theta, self.rope_scaling, self.partial_rotary_factor,
+                             max_context)
 
     def n_params(self) -> int:
         return sum(_prod(s) for s in self.tensor_shapes().values())
@@ -215,6 +227,40 @@ class ModelConfig:
             out["lm_head.weight"] = (self.vocab_size, self.hidden_size)
         return out
 
+    def fused_tensors(self) -> dict[str, tuple[tuple[str, int], ...]]:
+        """Checkpoint tensors that hold several of ``tensor_shapes()``'s weights stacked by rows: fused name ->
+        ((part name, rows), ...) in row order. Phi-3: ``self_attn.qkv_proj`` = q | k | v and
+        ``mlp.gate_up_proj`` = gate | up. The rows of a row-major [out, in] tensor are contiguous, so each part
+        is a contiguous byte range of the fused tensor and is read as a tensor of its own."""
+        if self.architecture not in _FUSED:
+            return {}
+        out = {}
+        for i in range(self.num_hidden_layers):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            out[a + "qkv_proj.weight"] = ((a + "q_proj.weight", self.q_dim), (a + "k_proj.weight", self.kv_dim),
+                                          (a + "v_proj.weight", self.kv_dim))
+            out[m + "gate_up_proj.weight"] = ((m + "gate_proj.weight", self.intermediate_size),
+                                              (m + "up_proj.weight", self.intermediate_size))
+        return out
+
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The tensors as the checkpoint stores them: ``tensor_shapes()`` with fused parts replaced by their fused
+        tensor (where its first part was)."""
+        shapes = self.tensor_shapes()
+        fused = self.fused_tensors()
+        if not fused:
+            return shapes
+        first = {parts[0][0]: name for name, parts in fused.items()}
+        rest = {p for parts in fused.values() for p, _ in parts[1:]}
+        out = {}
+        for name, shape in shapes.items():
+            if name in first:
+                parts = fused[first[name]]
+                out[first[name]] = (sum(rows for _, rows in parts), shape[1])
+            elif name not in rest:
+                out[name] = shape
+        return out
+
     def decode_schedule(self) -> tuple[str, ...]:
         """Names of the tensors a decode step reads on the device, in the order it reads them.
 
@@ -266,7 +312,16 @@ class ModelConfig:
                     f"hidden_size={d['hidden_size']!r} is not a multiple of num_attention_heads={heads!r} and "
                     "the config gives no head_dim")
             head_dim = d["hidden_size"] // heads
-        rope_theta, rope_scaling = _rope(d)
+        rope_theta, rope_scaling, partial_rotary = rope.parse(d)
+        if arch in _FUSED:
+            if head_dim * heads != d["hidden_size"]:
+                raise UnsupportedModelError(
+                    f"Phi-3 with head_dim={head_dim} != hidden_size / num_attention_heads is not supported "
+                    "(transformers' Phi3 sizes its longrope factors by hidden_size / num_attention_heads)")
+            try:
+                rope_scaling = rope.phi3_scaling(d, rope_scaling)
+            except rope.RopeConfigError as exc:
+                raise UnsupportedModelError(str(exc)) from None
         sliding = d.get("sliding_window")
         moe = {}
         if arch == "MixtralForCausalLM":
@@ -315,6 +370,7 @@ class ModelConfig:
                 attention_bias=arch in _QKV_BIAS,
                 torch_dtype=d.get("torch_dtype", d.get("dtype")),
                 sliding_window=sliding,
+                partial_rotary_factor=partial_rotary,
                 **moe,
             )
         except UnsupportedModelError:
@@ -360,6 +416,11 @@ class ModelConfig:
                      max_window_layers=self.num_hidden_layers, num_experts=self.num_experts,
                      num_experts_per_tok=self.num_experts_per_tok, moe_intermediate_size=self.moe_intermediate_size,
                      norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
+        elif self.model_type == "phi3":
+            d.update(sliding_window=self.sliding_window, partial_rotary_factor=self.partial_rotary_factor,
+                     pad_token_id=None)   # Phi3Config's default pad id 32000 is past a small vocabulary
+            if self.rope_scaling is not None:
+                d["original_max_position_embeddings"] = self.rope_scaling["original_max_position_embeddings"]
         elif self.model_type == "qwen2_moe":
             d.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_hidden_layers,
                      num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
@@ -390,7 +451,7 @@ def load_config(path) -> ModelConfig:
 
 def _unsupported_arch(arch) -> str:
     return (f"architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)} "
-            "(dense Llama, Mistral and Qwen2 decoders; Mixtral and Qwen2-MoE)")
+            "(dense Llama, Mistral, Qwen2, Qwen3 and Phi-3 decoders; Mixtral, Qwen2-MoE and Qwen3-MoE)")
 
 
 def _architecture(d: dict) -> str:
@@ -408,39 +469,6 @@ def _architecture(d: dict) -> str:
     if not isinstance(arch, str) or arch not in ARCHITECTURES:     # a list there is unhashable
         raise UnsupportedModelError(_unsupported_arch(arch))
     return arch
-
-
-def _rope(d: dict):
-    """rope_theta and rope_scaling, from the classic keys or transformers 5's ``rope_parameters``."""
-    theta = d.get("rope_theta")
-    scaling = d.get("rope_scaling")
-    params = d.get("rope_parameters")
-    if isinstance(params, dict):
-        theta = params.get("rope_theta", theta)
-        if scaling is None:
-            scaling = params
-    if isinstance(scaling, dict):
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind in (None, "default"):
-            scaling = None
-        else:
-            scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
-    return (10000.0 if theta is None else theta), scaling
-
-
-def _check_rope_scaling(s) -> None:
-    if s is None:
-        return
-    if not isinstance(s, dict):
-        raise UnsupportedModelError(f"rope_scaling={s!r} must be an object or null")
-    kind = s.get("rope_type", s.get("type"))
-    if kind != "llama3":
-        raise UnsupportedModelError(
-            f"rope_scaling type {kind!r} is not supported; only 'llama3' (or none) is. Linear, dynamic, yarn and "
-            "longrope scaling would change the rotary frequencies the kernels use")
-    missing = [k for k in _LLAMA3_KEYS if k not in s]
-    if missing:
-        raise UnsupportedModelError(f"llama3 rope_scaling lacks {', '.join(missing)}")
 
 
 def _prod(shape) -> int:

@@ -46,6 +46,14 @@ def _llama(**kw) -> ModelConfig:
     return ModelConfig(**kw)
 
 
+def _longrope(n: int, original: int) -> dict:
+    """A longrope rope_scaling with ``n`` factors per list: short ones near 1, long ones growing to ~8 (the shape
+    of Phi-3's)."""
+    return {"rope_type": "longrope", "short_factor": [round(1.0 + 0.05 * i, 4) for i in range(n)],
+            "long_factor": [round(1.0 + 7.0 * i / max(1, n - 1), 4) for i in range(n)],
+            "original_max_position_embeddings": original}
+
+
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("tiny", _llama(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
@@ -61,6 +69,19 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                                 num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
                                 tie_word_embeddings=True, rope_theta=1000000.0),
            "Qwen3-shaped, q/k RMSNorm per head, head_dim 32 (hidden 64, 4 heads), tied embeddings: CPU tests"),
+    Preset("phi3-tiny", _llama(architecture="Phi3ForCausalLM", vocab_size=256, hidden_size=64,
+                               intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
+                               rope_scaling=_longrope(8, original=64), sliding_window=2047),
+           "Phi-3-shaped: fused qkv_proj / gate_up_proj, longrope (original context 64 of 256), sliding window "
+           "2047: CPU tests"),
+    Preset("phi4-mini-tiny", _llama(architecture="Phi3ForCausalLM", vocab_size=256, hidden_size=64,
+                                    intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                    num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
+                                    rms_norm_eps=1e-5, tie_word_embeddings=True, partial_rotary_factor=0.75,
+                                    rope_scaling=_longrope(12, original=64)),
+           "Phi-4-mini-shaped: fused projections, RoPE on 24 of head_dim 32 (partial_rotary_factor 0.75), "
+           "longrope, tied embeddings: CPU tests"),
     Preset("small", _llama(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
                            num_attention_heads=8, num_key_value_heads=4, head_dim=64,
                            max_position_embeddings=2048, rms_norm_eps=1e-5),
@@ -117,7 +138,7 @@ def make_checkpoint(preset, out_dir, seed: int = 0, shard_bytes: int | None = No
     for p in existing:
         p.unlink()
 
-    shapes = config.tensor_shapes()
+    shapes = config.checkpoint_shapes()        # as stored: Phi-3's fused qkv_proj / gate_up_proj whole
     shards = _split(shapes, shard_bytes)
     total = sum(2 * _numel(s) for s in shapes.values())
     done = [0]

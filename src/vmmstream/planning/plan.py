@@ -387,6 +387,17 @@ def _notes(config, max_context: int) -> tuple:
                      f"{config.max_position_embeddings}; quality past it is not what the model was trained for")
     if config.sliding_window is not None:
         notes.append(f"sliding window {config.sliding_window} >= max_context: full attention is identical")
+    factors = config.rope_factor_set(max_context)
+    if factors is not None:
+        orig = config.rope_scaling["original_max_position_embeddings"]
+        if factors == "long":
+            notes.append(f"longrope: long_factor at every position, since max_context {max_context} > "
+                         f"original_max_position_embeddings {orig}; transformers uses short_factor for sequences "
+                         f"of at most {orig} tokens, so those differ from it (load with max_context <= {orig} to "
+                         "match it there)")
+        else:
+            notes.append(f"longrope: short_factor (max_context {max_context} <= original_max_position_embeddings "
+                         f"{orig}), the set transformers uses for every length up to max_context")
     return tuple(notes)
 
 
