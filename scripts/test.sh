@@ -4,6 +4,7 @@
 # fresh machine. Tests are spread over the machine's cores (pytest-xdist).
 #   bash scripts/test.sh          # everything (about 10 minutes on 2 cores)
 #   bash scripts/test.sh quick    # the inner loop: the unit tier without the sm_90 compiles (about a minute)
+#   bash scripts/test.sh full     # everything, with the simulator's whole-model steps (another 15 minutes or so)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --upgrade pip
@@ -16,6 +17,9 @@ if [ "${1:-}" = "quick" ]; then
 fi
 export HYPOTHESIS_PROFILE=ci
 python3 -m pytest -m unit -q -p no:cacheprovider "${workers[@]}" tests
-# The simulator is chosen when numba is imported, so its tier is a process (and workers) of its own.
-NUMBA_ENABLE_CUDASIM=1 python3 -m pytest -m sim -q -p no:cacheprovider "${workers[@]}" tests/sim
+# The simulator is chosen when numba is imported, so its tier is a process (and workers) of its own. Whole model
+# steps through the simulated CUDA adapter take many minutes each: `full` runs them too.
+sim=(-m "sim and not slow")
+[ "${1:-}" = "full" ] && sim=(-m sim)
+NUMBA_ENABLE_CUDASIM=1 python3 -m pytest "${sim[@]}" -q -p no:cacheprovider "${workers[@]}" tests/sim
 python3 -m pytest -q -p no:cacheprovider -m "not gpu" --benchmark-disable bench

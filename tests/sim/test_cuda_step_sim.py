@@ -88,7 +88,8 @@ def compare(a, b):
 
 
 @pytest.mark.parametrize("arch,where", [
-    ("Qwen2ForCausalLM", "resident"),    # fused q/k/v with biases, fused gate/up/SiLU
+    pytest.param("Qwen2ForCausalLM", "resident", marks=pytest.mark.slow),   # fused q/k/v with biases, fused
+                                                                            # gate/up/SiLU
     ("LlamaForCausalLM", "streamed"),    # streamed groups larger than the 2 slots: unfused, through the slots
 ])
 def test_dense_cuda_step_matches_host(tmp_path, monkeypatch, arch, where):
@@ -120,6 +121,7 @@ def test_phi3_cuda_step_matches_host(tmp_path, monkeypatch):
     compare(host, sim)
 
 
+@pytest.mark.slow     # int4 about 6 minutes in the simulator; on CUDA: test_quantized_oracle_on_cuda_*
 @pytest.mark.parametrize("kind", ["mxfp4", "int4"])
 def test_quantized_cuda_step_matches_host(tmp_path, monkeypatch, kind):
     """quantize= through the CUDA adapter: qgemv in decode, qgemm (in-register route) in prefill."""
@@ -133,6 +135,7 @@ def test_quantized_cuda_step_matches_host(tmp_path, monkeypatch, kind):
     compare(host, sim)
 
 
+@pytest.mark.slow     # a minute each in the simulator; on CUDA: test_moe_oracle_on_cuda_*
 @pytest.mark.parametrize("where,quantize", [("resident", None), ("on demand", None), ("on demand", "mxfp4")])
 def test_moe_cuda_step_matches_host(tmp_path, monkeypatch, where, quantize):
     """Mixtral through the CUDA adapter: every expert resident (the layer's pool stack), or the dense part
