@@ -16,10 +16,11 @@ if [ "${1:-}" = "quick" ]; then
   exit
 fi
 export HYPOTHESIS_PROFILE=ci
-python3 -m pytest -m unit -q -p no:cacheprovider "${workers[@]}" tests
-# The simulator is chosen when numba is imported, so its tier is a process (and workers) of its own. Whole model
-# steps through the simulated CUDA adapter take many minutes each: `full` runs them too.
-sim=(-m "sim and not slow")
-[ "${1:-}" = "full" ] && sim=(-m sim)
+# `slow`: whole model steps through the simulated CUDA adapter and sm_90 compiles of non-default kernel variants,
+# minutes each on a CI core; `full` runs them too.
+unit=(-m "unit and not slow") sim=(-m "sim and not slow")
+[ "${1:-}" = "full" ] && unit=(-m unit) sim=(-m sim)
+python3 -m pytest "${unit[@]}" -q -p no:cacheprovider "${workers[@]}" tests
+# The simulator is chosen when numba is imported, so its tier is a process (and workers) of its own.
 NUMBA_ENABLE_CUDASIM=1 python3 -m pytest "${sim[@]}" -q -p no:cacheprovider "${workers[@]}" tests/sim
 python3 -m pytest -q -p no:cacheprovider -m "not gpu" --benchmark-disable bench

@@ -23,11 +23,26 @@ import math
 
 import numpy as np
 from numba import cuda
-
-from vmmstream.kernels.base.dtypes import bf16_to_f32, dev_bf16_to_f32, dev_f32_to_bf16, f32_to_bf16
+from vmmstream.kernels.base.dtypes import (
+    bf16_to_f32,
+    dev_bf16_to_f32,
+    dev_f32_to_bf16,
+    f32_to_bf16,
+)
 from vmmstream.kernels.base.jit import jit
-from vmmstream.kernels.base.launch import (SIM, as_stream, check_threads, check_workspace, hi_f32, ld8, lo_f32,
-    pack2, st8, vec8_ok)
+from vmmstream.kernels.base.launch import (
+    SIM,
+    as_stream,
+    check_threads,
+    check_workspace,
+    hi_f32,
+    ld8,
+    lo_f32,
+    pack2,
+    st8,
+    vec8_ok,
+)
+from vmmstream.kernels.base.rope_table import base_powers, llama3_scaled
 from vmmstream.kernels.base.workspace import NONE
 
 CAPTURE_SAFE = True  # no allocation, no synchronize, device arrays only
@@ -43,8 +58,7 @@ def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None = None)
     dim = int(head_dim)
     if dim % 2:
         raise ValueError(f"head_dim must be even, got {dim}")
-    exps = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    inv = (np.float32(1.0) / np.power(np.float32(theta), exps, dtype=np.float32)).astype(np.float32)
+    inv = (np.float32(1.0) / base_powers(dim, theta)).astype(np.float32)
     scaling = dict(rope_scaling or {})
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
@@ -52,18 +66,7 @@ def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None = None)
     if kind == "linear":
         return (inv / np.float32(scaling["factor"])).astype(np.float32)
     if kind == "llama3":
-        factor = np.float32(scaling["factor"])
-        low_ff = float(scaling["low_freq_factor"])
-        high_ff = float(scaling["high_freq_factor"])
-        old_ctx = float(scaling["original_max_position_embeddings"])
-        low_wavelen = old_ctx / low_ff     # wavelengths longer than this: slowed down by ``factor``
-        high_wavelen = old_ctx / high_ff   # shorter than this: unchanged; in between: interpolated
-        wavelen = (np.float32(2 * math.pi) / inv).astype(np.float32)
-        scaled = np.where(wavelen > low_wavelen, inv / factor, inv).astype(np.float32)
-        smooth = ((np.float32(old_ctx) / wavelen - np.float32(low_ff)) / np.float32(high_ff - low_ff))
-        smoothed = ((np.float32(1.0) - smooth) * scaled / factor + smooth * scaled).astype(np.float32)
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return np.where(medium, smoothed, scaled).astype(np.float32)
+        return llama3_scaled(inv, scaling)
     raise NotImplementedError(f"rope_type {kind!r} is not supported (default, linear, llama3 are)")
 
 

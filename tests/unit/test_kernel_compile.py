@@ -35,13 +35,20 @@ def _import(name: str):
     return importlib.import_module(f"vmmstream.kernels.{name}")
 
 
+# Variants that are not a default route and take 10-30 s each to compile on a CI core: `scripts/test.sh full`
+# compiles them (their kernels run in the gpu tier either way): int4 GEMV with fp32 scales, with several columns,
+# and with 2 row tiles.
+SLOW = {("matmul.quant.gemv_mma", 2), ("matmul.quant.gemv_mma", 3), ("matmul.quant.gemv_mma", 7)}
+
+
 def _signature_cases():
     """One case per signature, so that pytest-xdist spreads the compiles evenly over its workers (one module's
     signatures take from 5 s to over two minutes)."""
     cases = []
     for name in KERNEL_MODULES:
         for i, (pyfunc, _) in enumerate(getattr(_import(name), "SIGNATURES", ())):
-            cases.append(pytest.param(name, i, id=f"{name}-{i}-{getattr(pyfunc, '__name__', '?')}"))
+            cases.append(pytest.param(name, i, id=f"{name}-{i}-{getattr(pyfunc, '__name__', '?')}",
+                                      marks=[pytest.mark.slow] if (name, i) in SLOW else []))
     return cases
 
 

@@ -28,6 +28,8 @@ import reprlib
 
 import numpy as np
 
+from vmmstream.kernels.base.rope_table import base_powers, llama3_scaled
+
 LONGROPE = "longrope"
 _LONGROPE_ALIASES = ("su", "yarn", LONGROPE)     # Phi3Config turns "su" and "yarn" into "longrope"
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -172,8 +174,7 @@ def inv_freq(head_dim: int, theta: float, scaling, partial_rotary_factor=1.0,
     """``inv_freq [rotary_dim / 2]`` fp32, computed in fp32 as transformers does (arange -> float, base ** (i /
     dim)), so the values match its buffers to the last bit or so."""
     dim = rotary_dim(head_dim, partial_rotary_factor)
-    exps = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    power = np.power(np.float32(theta), exps, dtype=np.float32)
+    power = base_powers(dim, theta)
     inv = (np.float32(1.0) / power).astype(np.float32)
     if scaling is None:
         return inv
@@ -182,18 +183,7 @@ def inv_freq(head_dim: int, theta: float, scaling, partial_rotary_factor=1.0,
         ext = np.asarray(scaling[f"{factor_set(scaling, max_context)}_factor"], dtype=np.float32)
         return (np.float32(1.0) / (ext * power)).astype(np.float32)
     if kind == "llama3":
-        factor = np.float32(scaling["factor"])
-        low_ff = float(scaling["low_freq_factor"])
-        high_ff = float(scaling["high_freq_factor"])
-        old_ctx = float(scaling["original_max_position_embeddings"])
-        low_wavelen = old_ctx / low_ff     # wavelengths longer than this: slowed down by ``factor``
-        high_wavelen = old_ctx / high_ff   # shorter than this: unchanged; in between: interpolated
-        wavelen = (np.float32(2 * math.pi) / inv).astype(np.float32)
-        scaled = np.where(wavelen > low_wavelen, inv / factor, inv).astype(np.float32)
-        smooth = ((np.float32(old_ctx) / wavelen - np.float32(low_ff)) / np.float32(high_ff - low_ff))
-        smoothed = ((np.float32(1.0) - smooth) * scaled / factor + smooth * scaled).astype(np.float32)
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return np.where(medium, smoothed, scaled).astype(np.float32)
+        return llama3_scaled(inv, scaling)
     raise RopeConfigError(f"rope_type {kind!r} has no frequency table here")
 
 
