@@ -46,7 +46,7 @@ def load_model(path, budget=None, *, max_context: int | None = None, slots: int 
     """Load the checkpoint at ``path`` to run within ``budget`` device bytes.
 
     ``budget``: bytes, ``"6GiB"``, ``"80%"``, ``0.8`` or ``"auto"`` (default: ``VMMSTREAM_BUDGET``, else auto).
-    ``max_context``: positions the KV cache holds (default min(4096, max_position_embeddings)).
+    ``max_context``: positions the KV cache holds (default min(4096, max_position_embeddings, sliding_window)).
     ``slots``: streaming slots K >= 2 (default 2). ``backend``: ``cuda``, ``host`` or ``auto``.
     ``memory``: a ``DeviceMemory`` to use instead of the process's shared one (tests, custom drivers).
     ``progress``: True / False / a callable(done_bytes, total_bytes); default: a progress line on long loads.

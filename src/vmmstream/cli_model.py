@@ -29,7 +29,7 @@ def add_subcommands(subparsers) -> None:
     plan.add_argument("--budget", type=_budget, default=None,
                       help="device memory budget in bytes, e.g. 2GiB (default: VMMSTREAM_BUDGET)")
     plan.add_argument("--max-context", type=_positive, default=None,
-                      help="longest sequence the KV cache holds (default: min(4096, max_position_embeddings))")
+                      help="longest sequence the KV cache holds (default: min(4096, max_position_embeddings, sliding_window))")
     plan.add_argument("--batch", type=_positive, default=None, help="sequences decoded together (default 1)")
     plan.add_argument("--slots", type=_slots, default=None, help="weight slots K >= 2 (default 2)")
     plan.add_argument("--granularity", default=None, help="VMM granularity (default 2MiB, the H200's)")

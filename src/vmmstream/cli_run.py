@@ -26,7 +26,7 @@ def add_subcommands(subparsers) -> None:
     src.add_argument("--prompt", help="prompt text (needs tokenizer.json in MODEL)")
     src.add_argument("--ids", type=_ids, help="prompt token ids, comma separated: 1,2,3")
     _add_run_options(gen, max_new_tokens=32, max_new_help=None,
-                     context_help="positions the KV cache holds (default: min(4096, max_position_embeddings))")
+                     context_help="positions the KV cache holds (default: min(4096, max_position_embeddings, sliding_window))")
     gen.add_argument("--plan", action="store_true", help="print the plan before generating")
     gen.add_argument("--stats", action="store_true", help="print the counters after generating")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
@@ -44,7 +44,7 @@ def add_subcommands(subparsers) -> None:
     chat.add_argument("--system", default=None, help="a system message to start the conversation with")
     _add_run_options(chat, max_new_tokens=512, max_new_help="most tokens an answer may have",
                      context_help="positions the KV cache holds, the whole conversation included "
-                                  "(default: min(4096, max_position_embeddings))")
+                                  "(default: min(4096, max_position_embeddings, sliding_window))")
     chat.set_defaults(fn=_chat)
 
     demo = subparsers.add_parser(

@@ -67,11 +67,12 @@ def plan_model(checkpoint, memory, *, max_context=None, slots=None, h2d_gbps=Non
     buffers' tokens): ``(plan, tmax)``. Raises ``UnsupportedModelError`` (shapes the CUDA kernels cannot run) or
     ``CapacityError`` (no plan fits)."""
     from .planning import PREFILL_CHUNK, make_plan
+    from .planning.plan import DEFAULT_MAX_CONTEXT
     c = checkpoint.config
     if memory.driver.backend == "cuda":
         _check_cuda_shapes(c)
     chunk = int(prefill_chunk or PREFILL_CHUNK)
-    mc = max_context if max_context is not None else min(4096, c.max_position_embeddings)
+    mc = max_context if max_context is not None else c.default_context(DEFAULT_MAX_CONTEXT)
     tmax = min(chunk, mc)
     ws = workspace_peaks(c, mc, tmax)
     a = memory.authority

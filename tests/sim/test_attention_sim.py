@@ -87,7 +87,7 @@ def test_prefill_fused(switch_interval, T, Hq, Hkv, D, start_pos):
     (11, 2, 1, 64, 60),     # keys [0, 71): two 64-key tiles, the diagonal in the second
     (5, 1, 1, 128, 66),
     (7, 2, 1, 80, 3),       # head_dim 80: the V tile's last load round is partial (2.5 rounds of 128 threads)
-    (6, 1, 1, 48, 0),       # head_dim 48: partial K and V rounds
+    (6, 1, 1, 48, 0),       # head_dim 48: a partial V round (1.5 rounds of 128 threads)
 ])
 def test_prefill_fused_mma_fragment_indexing(switch_interval, T, Hq, Hkv, D, start_pos):
     # P is rounded to bf16 for the P @ V mma (as on the GPU), hence the looser tolerance.

@@ -22,7 +22,10 @@ from vmmstream.model import ModelConfig, make_checkpoint
 
 from simops import SimCudaOps
 
-pytestmark = pytest.mark.sim
+# Whole model steps through the simulated CUDA adapter: half a minute to six minutes each on a CI core, so the
+# file is left to `scripts/test.sh full`; the gpu tier runs the same models through the real adapter
+# (tests/gpu/test_load_model_gpu.py oracles: dense, Phi-3, quantized, MoE).
+pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
 G = 16 << 10
 MC = 32
@@ -88,8 +91,7 @@ def compare(a, b):
 
 
 @pytest.mark.parametrize("arch,where", [
-    pytest.param("Qwen2ForCausalLM", "resident", marks=pytest.mark.slow),   # fused q/k/v with biases, fused
-                                                                            # gate/up/SiLU
+    ("Qwen2ForCausalLM", "resident"),    # fused q/k/v with biases, fused gate/up/SiLU
     ("LlamaForCausalLM", "streamed"),    # streamed groups larger than the 2 slots: unfused, through the slots
 ])
 def test_dense_cuda_step_matches_host(tmp_path, monkeypatch, arch, where):
@@ -121,7 +123,6 @@ def test_phi3_cuda_step_matches_host(tmp_path, monkeypatch):
     compare(host, sim)
 
 
-@pytest.mark.slow     # int4 about 6 minutes in the simulator; on CUDA: test_quantized_oracle_on_cuda_*
 @pytest.mark.parametrize("kind", ["mxfp4", "int4"])
 def test_quantized_cuda_step_matches_host(tmp_path, monkeypatch, kind):
     """quantize= through the CUDA adapter: qgemv in decode, qgemm (in-register route) in prefill."""
@@ -135,7 +136,6 @@ def test_quantized_cuda_step_matches_host(tmp_path, monkeypatch, kind):
     compare(host, sim)
 
 
-@pytest.mark.slow     # a minute each in the simulator; on CUDA: test_moe_oracle_on_cuda_*
 @pytest.mark.parametrize("where,quantize", [("resident", None), ("on demand", None), ("on demand", "mxfp4")])
 def test_moe_cuda_step_matches_host(tmp_path, monkeypatch, where, quantize):
     """Mixtral through the CUDA adapter: every expert resident (the layer's pool stack), or the dense part

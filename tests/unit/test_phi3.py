@@ -101,9 +101,25 @@ def test_phi3_sliding_window_is_applied_by_refusing_longer_contexts():
     c.check_context(2047)
     with pytest.raises(UnsupportedModelError, match="sliding-window.*max_context <= 2047"):
         c.check_context(2048)
+    assert c.default_context() == 2047                  # with no max_context asked for: the window, not refused
     phi4 = ModelConfig.from_dict(PHI4)
     assert phi4.sliding_window is None and phi4.rope_factor_set(16384) is None
     phi4.check_context(16384)
+    assert phi4.default_context() == 4096
+
+
+def test_a_sliding_window_model_loads_with_the_default_context(tmp_path):
+    """Phi-3-mini-4k's shape (window 2047 < max_position_embeddings 4096): load_model without max_context plans
+    the window's 2047 positions instead of refusing the default 4096."""
+    import dataclasses
+
+    import vmmstream
+    from vmmstream.model import get_preset, make_checkpoint
+    cfg = dataclasses.replace(get_preset("phi3-tiny").config, sliding_window=100, max_position_embeddings=256,
+                              rope_scaling=None)
+    path = make_checkpoint(cfg, tmp_path, seed=0)
+    with vmmstream.load_model(path, budget="256MiB", backend="host", progress=False) as m:
+        assert m.plan.max_context == 100 and len(m.generate([1, 2, 3], 4, eos_token_id=[])) == 4
 
 
 def test_rope_tables_match_transformers():
@@ -138,9 +154,12 @@ def test_rope_tables_match_transformers():
     np.testing.assert_allclose(ours.rope_inv_freq(), inv.numpy(), rtol=5e-7, atol=0)   # float32 pow: numpy and torch may differ by an ulp
 
 
-def test_config_rope_table_is_the_kernels_for_plain_and_llama3():
-    """The engine uploads ``ModelConfig.rope_inv_freq``; for plain and Llama-3 RoPE it is bit for bit the kernel
-    module's ``rope_inv_freq`` (what it uploaded before longrope)."""
+def test_config_rope_table_for_plain_and_llama3_rope_matches_transformers():
+    """The engine uploads ``ModelConfig.rope_inv_freq``: for plain and Llama-3 RoPE against transformers' own
+    functions, and bit for bit the kernel module's ``rope_inv_freq`` (one table for both)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     from vmmstream.kernels.ops.rope import rope_inv_freq
     llama3 = {"rope_type": "llama3", "factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
               "original_max_position_embeddings": 8192}
@@ -149,7 +168,18 @@ def test_config_rope_table_is_the_kernels_for_plain_and_llama3():
             for scaling in (None, llama3):
                 c = ModelConfig(**{**PRESETS["tiny"].config.__dict__, "head_dim": head_dim, "rope_theta": theta,
                                    "rope_scaling": scaling})
-                np.testing.assert_array_equal(c.rope_inv_freq(4096), rope_inv_freq(head_dim, theta, scaling))
+                ours = c.rope_inv_freq(4096)
+                np.testing.assert_array_equal(ours, rope_inv_freq(head_dim, theta, scaling))
+                params = {"rope_type": "default", "rope_theta": theta} if scaling is None else \
+                    {**scaling, "rope_theta": theta}
+                hf = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim,
+                                 max_position_embeddings=131072, rope_parameters=params)
+                if scaling is None:
+                    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+                    ref, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(hf)
+                else:
+                    ref, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+                np.testing.assert_allclose(ours, ref.numpy(), rtol=2e-6, atol=0)   # an fp32 ulp or two
 
 
 @pytest.mark.parametrize("patch,match", [

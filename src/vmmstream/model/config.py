@@ -275,6 +275,11 @@ class ModelConfig:
         """Tensors that stay in (pinned) host memory: the embedding table, when it is not also the head."""
         return () if self.tie_word_embeddings else ("model.embed_tokens.weight",)
 
+    def default_context(self, cap: int = 4096) -> int:
+        """The KV cache's positions when none is asked for: ``cap``, at most max_position_embeddings, and at most
+        the sliding window (past which full attention differs from the model's)."""
+        return min(cap, self.max_position_embeddings, self.sliding_window or cap)
+
     def check_context(self, max_context: int) -> None:
         """Refuse a context our full causal attention would compute differently from the model's."""
         if self.sliding_window is not None and max_context > self.sliding_window:

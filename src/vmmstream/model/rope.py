@@ -145,9 +145,13 @@ def check(scaling, *, longrope_ok: bool, head_dim: int, partial_rotary_factor, m
                               "(log 1 = 0); give rope_scaling.attention_factor") from None
 
 
+def _kind(scaling):
+    return scaling.get("rope_type", scaling.get("type")) if scaling else None
+
+
 def attention_factor(scaling, max_position_embeddings: int) -> float:
     """The factor on cos and sin: 1, or longrope's (transformers' ``_compute_longrope_parameters``)."""
-    if not scaling or scaling.get("rope_type") != LONGROPE:
+    if _kind(scaling) != LONGROPE:
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
@@ -163,7 +167,7 @@ def attention_factor(scaling, max_position_embeddings: int) -> float:
 def factor_set(scaling, max_context: int | None) -> str | None:
     """"short" or "long": the longrope list a table for ``max_context`` uses (None: not longrope). No
     ``max_context``: "short", transformers' choice when no length is known."""
-    if not scaling or scaling.get("rope_type") != LONGROPE:
+    if _kind(scaling) != LONGROPE:
         return None
     long = max_context is not None and max_context > scaling["original_max_position_embeddings"]
     return "long" if long else "short"

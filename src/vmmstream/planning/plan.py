@@ -24,7 +24,7 @@ from .residency import split
 SOURCES = ("explicit", "env", "inferred")
 RESIDENT, STREAMED, LEGACY = "resident", "streamed", "legacy"
 EXPERT = "expert"      # a routed expert's weight: placed with its unit (ExpertPlan), not in the schedule
-DEFAULT_MAX_CONTEXT = 4096       # when none is given: min(this, the model's max_position_embeddings)
+DEFAULT_MAX_CONTEXT = 4096       # when none is given: min(this, max_position_embeddings, sliding_window)
 HOST = "host"
 
 
@@ -182,7 +182,7 @@ def make_plan(config, tensors, budget_bytes: int, *, budget_source="explicit", m
     """Plan a model of ``config`` (a ``ModelConfig``) with ``tensors`` (name -> info with ``.shape``) in a budget.
 
     ``budget_source``: "explicit", "env" or "inferred", or a ``(kind, detail)`` pair. ``max_context``
-    defaults to min(4096, max_position_embeddings); ``batch`` to 1; ``slots`` (K >= 2) to 2;
+    defaults to min(4096, max_position_embeddings, sliding_window); ``batch`` to 1; ``slots`` (K >= 2) to 2;
     ``granularity`` to 2 MiB; ``workspace`` ({"step", "session"} peak bytes from the kernels'
     ``workspace_requirement``) to ``floor.estimate_workspace``. ``sources`` overrides where a number
     came from (e.g. ``{"granularity": "explicit"}`` when it was queried from the driver). ``quantize``
@@ -202,7 +202,7 @@ def make_plan(config, tensors, budget_bytes: int, *, budget_source="explicit", m
     src["activations"] = src["kv_cache"] = "inferred"
     src["h2d_gbps"] = None if h2d_gbps is None else "explicit"
     if max_context is None:
-        max_context = min(DEFAULT_MAX_CONTEXT, config.max_position_embeddings)
+        max_context = config.default_context(DEFAULT_MAX_CONTEXT)
     batch = 1 if batch is None else batch
     slots = 2 if slots is None else slots
     gran = fl.GRANULARITY if granularity is None else granularity
