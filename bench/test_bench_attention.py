@@ -127,17 +127,22 @@ def test_bench_decode(benchmark, monkeypatch, S, flat, scatter):
 
 # --------------------------------------------------------------------------------------- prefill
 
+def prefill_inputs(S, hq, hkv, d, route):
+    """q [S, hq, d], k / v [S, hkv, d] (seeded bf16), out, and the route's workspace (None when it takes none)."""
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(1)
+    q = torch.randn(S, hq, d, device=dev, generator=g).to(torch.bfloat16)
+    k = torch.randn(S, hkv, d, device=dev, generator=g).to(torch.bfloat16)
+    v = torch.randn(S, hkv, d, device=dev, generator=g).to(torch.bfloat16)
+    req = ap.workspace_requirement(S, hq, hkv, d, route=route)
+    ws = torch.empty(req.bytes, device=dev, dtype=torch.uint8) if req.bytes else None
+    return q, k, v, torch.empty_like(q), req, ws
+
+
 @pytest.mark.parametrize("S,route", [(2048, ap.FUSED_MMA), (8192, ap.FUSED_MMA), (2048, ap.FUSED),
                                      (8192, ap.FUSED), (2048, ap.MATERIALIZED)])
 def test_bench_prefill(benchmark, S, route):
-    dev = "cuda"
-    g = torch.Generator(device=dev).manual_seed(1)
-    q = torch.randn(S, HQ, D, device=dev, generator=g).to(torch.bfloat16)
-    k = torch.randn(S, HKV, D, device=dev, generator=g).to(torch.bfloat16)
-    v = torch.randn(S, HKV, D, device=dev, generator=g).to(torch.bfloat16)
-    out = torch.empty_like(q)
-    req = ap.workspace_requirement(S, HQ, HKV, D, route=route)
-    ws = torch.empty(req.bytes, device=dev, dtype=torch.uint8) if req.bytes else None
+    q, k, v, out, req, ws = prefill_inputs(S, HQ, HKV, D, route)
     args = [nb(q), nb(k), nb(v), nb(out), None if ws is None else nb(ws)]
 
     def ours():
@@ -187,15 +192,8 @@ def test_bench_decode_shapes(benchmark, hq, hkv, d, S=8192):
 def test_bench_prefill_shapes(benchmark, d, S=2048, hq=32, hkv=8):
     """Prefill at other head dims on the route ``choose_route`` takes (tensor cores up to 128, materialized at
     256), beside SDPA."""
-    dev = "cuda"
-    g = torch.Generator(device=dev).manual_seed(1)
-    q = torch.randn(S, hq, d, device=dev, generator=g).to(torch.bfloat16)
-    k = torch.randn(S, hkv, d, device=dev, generator=g).to(torch.bfloat16)
-    v = torch.randn(S, hkv, d, device=dev, generator=g).to(torch.bfloat16)
-    out = torch.empty_like(q)
     route = ap.choose_route(S, hq, hkv, d)
-    req = ap.workspace_requirement(S, hq, hkv, d, route=route)
-    ws = torch.empty(req.bytes, device=dev, dtype=torch.uint8) if req.bytes else None
+    q, k, v, out, req, ws = prefill_inputs(S, hq, hkv, d, route)
     args = [nb(q), nb(k), nb(v), nb(out), None if ws is None else nb(ws)]
     ms, how = measure(benchmark, lambda: ap.launch(*args, route=route, stream=as_stream(torch.cuda.current_stream())),
                       reps=3, rounds=3)
