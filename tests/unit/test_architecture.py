@@ -24,7 +24,7 @@ RANKS = {
     "budget": 1, "kernels.base": 1, "progress": 2,
     "config": 2, "kernels.ops": 2, "model": 2, "text": 2, "chat": 2,
     "driver": 3, "kernels.matmul": 3, "kernels.attention": 3,
-    "memory": 4, "kernels.moe": 4, "quantization": 4, "kernels": 4,
+    "memory": 4, "kernels.moe": 4, "quantization": 4, "prequantized": 4, "kernels": 4,
     "planning": 5,
     "execution": 6,
     "loading": 7, "generation": 7,
