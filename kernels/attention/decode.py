@@ -500,11 +500,10 @@ def _make_split(G, D, W=None, U=None, PF=None, MINB=None, FLAT=None, RS=None):
 # ----------------------------------------------------------------------------- pass 2
 
 def _make_combine(D, T=None, CU=None):
-    T = C_THREADS if T is None else T
+    T = combine_threads(D, C_THREADS if T is None else T)   # whole split lanes (head_dim 80: 25 x 20 = 500)
     CU = C_UNROLL if CU is None else CU
     DL = D // 4            # dim lanes, 4 contiguous dims each
     SL = T // DL           # split lanes
-    T = SL * DL            # the block: whole split lanes (head_dim 80: 25 x 20 = 500 threads)
     CU4 = 4 * CU
 
     @mh.kernel(T)
