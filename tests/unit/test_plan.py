@@ -296,3 +296,14 @@ def test_cli_make_checkpoint_shards(tmp_path, capsys):
     assert (out / "model.safetensors.index.json").exists()
     assert main(["make-checkpoint", "--preset", "qwen2-tiny", str(out)]) == 2
     assert "already holds" in capsys.readouterr().err
+
+
+def test_the_planner_s_fused_prefill_head_dims_are_the_kernel_s():
+    """planning/floor.py keeps its own copy (the planner imports no kernel module): the head dims it plans
+    without a prefill step workspace are exactly those the attention kernels take without one."""
+    from vmmstream.kernels.attention import prefill as ap
+    from vmmstream.planning import floor
+    assert floor.FUSED_HEAD_DIMS == ap.MMA_HEAD_DIMS
+    for d in range(8, 272, 8):
+        needs = ap.workspace_requirement(64, 8, 2, d, start_pos=100).bytes > 0
+        assert needs == (d not in floor.FUSED_HEAD_DIMS), d
