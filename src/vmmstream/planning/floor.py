@@ -60,8 +60,8 @@ def activation_bytes(config, max_context: int, batch: int, granularity: int,
     each) and 3 MLP-sized buffers (gate, up, gated product); plus fp32 logits for one position per sequence
     (``vocab · 4 · batch``), int32 token ids and positions (``8 · T · batch``), the int32 output tokens
     (``4 · max_context``), the RoPE table and the alignment of every buffer. Decode uses a prefix of the same
-    buffers (T = 1). The MLP width is the widest of the dense, routed-expert and shared-expert intermediate sizes; a mixture of experts adds fp32
-    router logits (``4 · experts``), an fp32 accumulator of the routed experts' outputs (``4 · hidden``), the
+    buffers (T = 1). The MLP width is the widest of the dense, routed-expert and shared-expert intermediate
+    sizes; a mixture of experts adds fp32 router logits (``4 · experts``), an fp32 accumulator of the routed experts' outputs (``4 · hidden``), the
     top-k ids, weights and slot mapping (``12 · k``), the shared-expert gate logit, and the experts' fp32
     outputs (``4 · k · hidden``) per token, plus the expert location table and counters.
     """
