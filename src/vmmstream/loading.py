@@ -11,15 +11,18 @@ holds what the allocations made, so its owner can release exactly what a failed 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from .budget import format_bytes, parse_budget, parse_budget_spec
 from .errors import Attempts, BudgetError, CapacityError
-from .interrupts import uninterruptible
 from .execution.kv import KVCache
 from .execution.step import Activations
 from .execution.weights import Weights
+from .interrupts import uninterruptible
 from .memory.transaction import Transaction
+from .planning.floor import PREFILL_SUB, streaming_walk
 
 # Every role a plan leases: a model's teardown gives back each one of them.
 ROLES_PLANNED = ("weights_resident", "weight_slots", "kv_cache", "workspace_step", "workspace_session",
@@ -73,8 +76,6 @@ def plan_model(checkpoint, memory, *, max_context=None, slots=None, h2d_gbps=Non
         _check_cuda_shapes(c)
     chunk = int(prefill_chunk or PREFILL_CHUNK)
     mc = max_context if max_context is not None else c.default_context(DEFAULT_MAX_CONTEXT)
-    tmax = min(chunk, mc)
-    ws = workspace_peaks(c, mc, tmax)
     a = memory.authority
     # Other models' grants are theirs: plan against what is left (idle retained handles count as free, a grant
     # takes them back). The source says so when it is less than the whole budget.
@@ -88,11 +89,30 @@ def plan_model(checkpoint, memory, *, max_context=None, slots=None, h2d_gbps=Non
     if left < a.budget:
         detail = (f"{detail + '; ' if detail else ''}{format_bytes(left)} of {format_bytes(a.budget)} left by "
                   "the other models on this device")
-    plan = make_plan(c, checkpoint.tensors, left, budget_source=(a.budget_source.kind, detail),
-                     max_context=max_context, slots=slots, granularity=memory.granularity, workspace=ws,
-                     h2d_gbps=h2d_gbps, legacy=memory.legacy, prefill_chunk=chunk,
-                     sources={"granularity": "explicit", "workspace": "inferred"}, quantize=quantize)
-    return plan, tmax
+
+    def plan(walk: int):
+        return make_plan(c, checkpoint.tensors, left, budget_source=(a.budget_source.kind, detail),
+                         max_context=max_context, slots=slots, granularity=memory.granularity,
+                         workspace=workspace_peaks(c, mc, min(walk, mc)), h2d_gbps=h2d_gbps, legacy=memory.legacy,
+                         prefill_chunk=walk, sources={"granularity": "explicit", "workspace": "inferred"},
+                         quantize=quantize)
+    p = plan(chunk)
+    if prefill_chunk is None and p.strategy == "streamed":
+        # Streamed weights are read once per walk: a longer walk streams a long prompt's weights fewer times
+        walk, longer = streaming_walk(c, mc, p.batch, memory.granularity, left), None
+        while walk > p.prefill_chunk and longer is None:      # the longest walk under its share that still fits
+            try:
+                longer = plan(walk)
+            except CapacityError:
+                walk = max(p.prefill_chunk, 1 << (walk - 1).bit_length() - 1)
+        if longer is not None and longer.strategy == "streamed":
+            extra = longer.activations - p.activations
+            note = (f"prefill walks {walk} tokens through each layer, so a prompt of up to {walk} tokens "
+                    f"streams each weight once; its activations take {format_bytes(extra)} more than a "
+                    f"{p.prefill_chunk}-token walk's, streamed by each decode step instead "
+                    "(prefill_chunk= sets the walk)")
+            p = dataclasses.replace(longer, notes=longer.notes + (note,))
+    return p, p.prefill_chunk
 
 
 def admit(authority, holder: str, plan) -> None:
@@ -141,7 +161,7 @@ class Placement:
         mem, c = self.memory, checkpoint.config
         self.weights = Weights(mem, ops, plan, checkpoint, self.holder, copy_stream, progress=progress)
         self.kv = KVCache(mem, ops, c, plan, self.holder)
-        self.acts = Activations(mem, ops, c, plan, self.holder, tmax)
+        self.acts = Activations(mem, ops, c, plan, self.holder, tmax, sub=PREFILL_SUB)
         self.blocks.append(self.acts.block)
         if self.weights.experts is not None:
             v = self.acts.views(1)
@@ -190,15 +210,17 @@ def workspace_peaks(config, max_context: int, tmax: int) -> dict:
 
     The kernels of one stream run in order, so one buffer of the largest need serves each class (max, not sum).
     """
-    from vmmstream.kernels.attention import decode as attention_decode, prefill as attention_prefill
+    from vmmstream.kernels.attention import decode as attention_decode
+    from vmmstream.kernels.attention import prefill as attention_prefill
     from vmmstream.kernels.ops import sampling
     c = config
     session = max(attention_decode.workspace_requirement(1, c.num_attention_heads, c.num_key_value_heads,
                                                          c.head_dim, max_context).bytes,
                   sampling.workspace_requirement(1, c.vocab_size, "greedy").bytes,
                   sampling.workspace_requirement(1, c.vocab_size, "sample").bytes)
-    step = attention_prefill.workspace_requirement(tmax, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                                   start_pos=max_context - tmax).bytes
+    at = tmax if c.is_moe else min(tmax, PREFILL_SUB)     # a dense walk's attention runs in parts of PREFILL_SUB
+    step = attention_prefill.workspace_requirement(at, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                                   start_pos=max_context - at).bytes
     if getattr(c, "is_moe", False):
         # expert routing + h: decode (inside the graph: session lifetime) over the k slots or a layer's experts,
         # prefill rounds over the k slots
@@ -211,6 +233,7 @@ def workspace_peaks(config, max_context: int, tmax: int) -> dict:
 
 def _check_cuda_shapes(c) -> None:
     from vmmstream.kernels.attention import decode as attention_decode
+
     from .model import UnsupportedModelError
     if c.is_moe and (c.num_experts > 128 or c.num_experts_per_tok > 8 or c.hidden_size % 8
                      or c.moe_intermediate_size % 8):

@@ -30,20 +30,22 @@ from ..align import align_up
 from ..errors import VmmstreamError
 
 
-
 class Activations:
     """Named buffers for up to ``tmax`` tokens, sub-allocated in one block at a stable VA (role ``activations``)."""
 
-    def __init__(self, mem, ops, config, plan, holder: str, tmax: int):
+    def __init__(self, mem, ops, config, plan, holder: str, tmax: int, sub: int | None = None):
         c = config
         h, qd, kvd, v = c.hidden_size, c.q_dim, c.kv_dim, c.vocab_size
         inter = max(c.intermediate_size, c.moe_intermediate_size, c.shared_expert_intermediate_size)
         self.tmax, self.ops = tmax, ops
-        # name -> (per-token shape or fixed shape, dtype, scales with T)
+        # A dense model's prefill walks ``tmax`` tokens through each layer (each weight read once for all of
+        # them) but computes ``up`` and silu(gate)·up ``sub`` tokens at a time: only gate is walk-sized.
+        self.sub = tmax if c.is_moe else min(tmax, sub or tmax)
+        # name -> (per-token shape or fixed shape, dtype, scales with T: True (tmax rows), "sub" or False)
         self.spec = {
             "x": ((h,), np.uint16, True), "xn": ((h,), np.uint16, True), "proj": ((h,), np.uint16, True),
             "attn": ((qd,), np.uint16, True), "q": ((qd,), np.uint16, True), "k": ((kvd,), np.uint16, True),
-            "v": ((kvd,), np.uint16, True), "gate": ((inter,), np.uint16, True), "up": ((inter,), np.uint16, True),
+            "v": ((kvd,), np.uint16, True), "gate": ((inter,), np.uint16, True), "up": ((inter,), np.uint16, "sub"),
             "ids": ((), np.int32, True), "pos": ((), np.int32, True),
             "logits": ((1, v), np.float32, False),
             "next": ((1,), np.int32, False), "inp": ((1,), np.int32, False),
@@ -62,7 +64,7 @@ class Activations:
                               "expert_stats": ((3,), np.int64, False)})
         self.offsets, off = {}, 0
         for name, (shape, dt, per_t) in self.spec.items():
-            n = math.prod(shape) * np.dtype(dt).itemsize * (tmax if per_t else 1)
+            n = math.prod(shape) * np.dtype(dt).itemsize * self._rows(per_t, tmax)
             self.offsets[name] = off
             off = align_up(off + n)
         self.nbytes = off
@@ -72,10 +74,28 @@ class Activations:
         self.block = mem.allocate(plan.activations, role="activations", holder=holder, arena="activations")
         self.va = self.block.va
         self._views: dict = {}
+        self._row_views: dict = {}
         self.config = c
+
+    def _rows(self, per_t, t: int) -> int:
+        return (min(t, self.sub) if per_t == "sub" else t) if per_t else 1
 
     def addr(self, name: str) -> int:
         return self.va + self.offsets[name]
+
+    def rows(self, name: str, start: int, count: int, shape: tuple = ()):
+        """Rows ``start:start + count`` of a per-token buffer as a ``[count, width]`` view, or ``[count, *shape]``
+        (made once, kept)."""
+        key = (name, start, count, shape)
+        v = self._row_views.get(key)
+        if v is None:
+            if len(self._row_views) >= 4 * self.VIEW_SETS:
+                self._row_views.pop(next(iter(self._row_views)))
+            row, dt, _ = self.spec[name]
+            width = math.prod(row)
+            v = self._row_views[key] = self.ops.view(self.addr(name) + start * width * np.dtype(dt).itemsize,
+                                                     (count,) + (shape or (width,)), dt)
+        return v
 
     VIEW_SETS = 64        # view sets kept (one per token count; prompts of many lengths would grow it forever)
 
@@ -89,7 +109,7 @@ class Activations:
                 self._views.pop(next(iter(self._views)))
             c, v = self.config, {}
             for name, (shape, dt, per_t) in self.spec.items():
-                full = ((t,) + shape) if per_t else shape
+                full = ((self._rows(per_t, t),) + shape) if per_t else shape
                 v[name] = self.ops.view(self.addr(name), full, dt)
             v["q3"] = self.ops.view(self.addr("q"), (t, c.num_attention_heads, c.head_dim), np.uint16)
             v["k3"] = self.ops.view(self.addr("k"), (t, c.num_key_value_heads, c.head_dim), np.uint16)
@@ -173,8 +193,10 @@ class Step:
                              self.rope_scale)
             if decode:
                 o.attn_decode(S, a.q3, self.kv.k4(layer), self.kv.v4(layer), a.lens, a.attn3, self.ws_session)
-            else:
+            elif ws_step is None or t <= self.acts.sub:
                 o.attn_prefill(S, a.q3, self.kv.k(layer), self.kv.v(layer), a.attn3, ws_step, start_pos)
+            else:                   # materialized scores: the step workspace holds a sub-chunk's
+                self._attn_in_parts(layer, t, start_pos, ws_step)
             wo = p + "self_attn.o_proj.weight"
             self._use([wo], lambda: mm(a.proj, W(wo), a.attn))
             ln2 = p + "post_attention_layernorm.weight"
@@ -195,12 +217,35 @@ class Step:
             row = a.xn_last
         self._use([self.head], lambda: o.gemv(S, W(self.head), row, a.logits))
 
+    def _attn_in_parts(self, layer: int, t: int, start_pos: int, ws) -> None:
+        """Causal prefill attention of a walk, ``sub`` query rows at a time (each sees the keys before it)."""
+        c, sub = self.c, self.acts.sub
+        hq, d = c.num_attention_heads, c.head_dim
+        for s0 in range(0, t, sub):
+            n = min(sub, t - s0)
+            q = self.acts.rows("q", s0, n, (hq, d))
+            out = self.acts.rows("attn", s0, n, (hq, d))
+            self.ops.attn_prefill(self.S, q, self.kv.k(layer), self.kv.v(layer), out, ws, start_pos + s0)
+
     def _mlp(self, p, a, mm, decode) -> None:
         """proj = (silu(xn · Wgᵀ) * (xn · Wuᵀ)) · Wdᵀ."""
         o, S, W = self.ops, self.S, self.w.array
         wg, wu, wd = (p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down"))
+        t, sub = a.xn.shape[0], self.acts.sub
         if decode and self._fusable([wg, wu]):
             self._use([wg, wu], lambda: o.gemv_gate_up_silu(S, W(wg), W(wu), a.xn, a.gate))
+        elif t > sub:               # a walk longer than the up buffer: up and silu·mul a sub-chunk at a time
+            self._use([wg], lambda: mm(a.gate, W(wg), a.xn))
+
+            def up_in_parts():
+                rows = self.acts.rows
+                for s0 in range(0, t, sub):
+                    n = min(sub, t - s0)
+                    up = rows("up", 0, n)
+                    mm(up, W(wu), rows("xn", s0, n))
+                    g = rows("gate", s0, n)
+                    o.silu_mul(S, g, up, g)
+            self._use([wu], up_in_parts)
         else:
             self._use([wg], lambda: mm(a.gate, W(wg), a.xn))
             self._use([wu], lambda: mm(a.up, W(wu), a.xn))

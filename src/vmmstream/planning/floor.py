@@ -11,7 +11,8 @@ import math
 
 MiB = 2**20
 GRANULARITY = 2 * MiB          # H200's VMM granularity (GPU.md); the driver's figure overrides it
-PREFILL_CHUNK = 512            # tokens per prefill launch the activation buffers are sized for
+PREFILL_CHUNK = 512            # tokens a prefill walks through each layer at once (default; streamed plans choose)
+PREFILL_SUB = 512              # of a longer walk, the tokens whose MLP product / materialized scores exist at once
 BF16 = 2
 FUSED_HEAD_DIMS = tuple(range(16, 129, 16))   # head dims with a fused prefill route (no workspace): MMA_HEAD_DIMS
                                               # of kernels/attention/prefill.py
@@ -44,7 +45,7 @@ def estimate_workspace(config, max_context: int, batch: int, prefill_chunk: int 
     - session: greedy argmax partials, 8 bytes × batch × ``min(256, ceil(vocab / 4096))`` (captured
       decode needs them at a stable address).
     """
-    t = min(prefill_chunk, max_context)
+    t = min(prefill_chunk, max_context, PREFILL_SUB)
     step = 0 if config.head_dim in FUSED_HEAD_DIMS else 4 * config.num_attention_heads * t * max_context
     splits = max(1, min(_ARGMAX_MAX_SPLIT, math.ceil(config.vocab_size / _ARGMAX_SPLIT_CHUNK)))
     return {"step": step, "session": 8 * batch * splits}
@@ -57,7 +58,8 @@ def activation_bytes(config, max_context: int, batch: int, granularity: int,
     For ``T = min(prefill_chunk, max_context)`` tokens of each of ``batch`` sequences, bf16:
     3 hidden-sized buffers (residual stream, normed input, projection output), q and the attention
     output (``Hq · head_dim`` each: wider than hidden where ``Hq · head_dim > hidden``), k and v (``Hkv · head_dim``
-    each) and 3 MLP-sized buffers (gate, up, gated product); plus fp32 logits for one position per sequence
+    each) and an MLP-sized gate; two more MLP-sized buffers (up and a margin) for ``min(T, PREFILL_SUB)`` tokens
+    (a dense walk computes up and silu(gate)·up in parts; a mixture of experts for all T); plus fp32 logits for one position per sequence
     (``vocab · 4 · batch``), int32 token ids and positions (``8 · T · batch``), the int32 output tokens
     (``4 · max_context``), the RoPE table and the alignment of every buffer. Decode uses a prefix of the same
     buffers (T = 1). The MLP width is the widest of the dense, routed-expert and shared-expert intermediate
@@ -70,13 +72,36 @@ def activation_bytes(config, max_context: int, batch: int, granularity: int,
                 getattr(config, "shared_expert_intermediate_size", 0))
     q_dim = config.num_attention_heads * config.head_dim
     per_token = BF16 * (3 * config.hidden_size + 2 * q_dim + 2 * config.num_key_value_heads * config.head_dim
-                        + 3 * width)
+                        + width)
     experts = getattr(config, "num_experts", 0)
+    sub = t if experts else min(t, PREFILL_SUB)       # a dense walk longer than PREFILL_SUB: up in parts
     if experts:
         k = config.num_experts_per_tok
         per_token += 4 * experts + 4 * config.hidden_size + 12 * k + 4 + 4 * k * config.hidden_size
-    raw = batch * t * (per_token + 8) + batch * config.vocab_size * 4
+    raw = batch * t * (per_token + 8) + batch * sub * BF16 * 2 * width + batch * config.vocab_size * 4
     raw += 4 * max_context + 2 * config.head_dim + _BUFFERS * _ALIGN    # output tokens, RoPE table, alignment
     if experts:     # expert location table, routing counts, decode counters
         raw += 12 * config.num_hidden_layers * experts + 24 + 4 * 256
     return round_up(raw, granularity)
+
+
+WALK_SHARE = 8                 # a streamed plan's prefill walk may take up to 1/WALK_SHARE of the budget more
+
+
+def streaming_walk(config, max_context: int, batch: int, granularity: int, budget: int) -> int:
+    """The prefill walk of a plan whose weights stream: the longest (a power of two, or ``max_context``) whose
+    activations cost at most ``budget // WALK_SHARE`` more than a ``PREFILL_CHUNK`` walk's.
+
+    Each walk streams every streamed weight once, so a prompt of P tokens costs ``ceil(P / walk)`` passes over
+    the streamed bytes; the bytes a longer walk takes from the resident weights are streamed by every decode
+    step instead. An eighth of the budget bounds that decode cost while a prompt of a few thousand tokens
+    streams once.
+    """
+    base = activation_bytes(config, max_context, batch, granularity, PREFILL_CHUNK)
+    best, w = min(PREFILL_CHUNK, max_context), PREFILL_CHUNK
+    while w < max_context:
+        w = min(2 * w, max_context)
+        if activation_bytes(config, max_context, batch, granularity, w) - base > budget // WALK_SHARE:
+            break
+        best = w
+    return best

@@ -115,6 +115,7 @@ class Plan:
     notes: tuple = ()
     quantization: str | None = None  # "int4" / "mxfp4": the layers' linear weights are stored quantized
     experts: "ExpertPlan | None" = field(default=None, hash=False)   # mixtures of experts: see ExpertPlan
+    prefill_chunk: int = fl.PREFILL_CHUNK   # tokens a prefill walks through each layer (each weight read once)
 
     @property
     def device_bytes(self) -> int:
@@ -158,7 +159,7 @@ class Plan:
             "strategy", "budget", "budget_source", "budget_detail", "granularity", "max_context", "batch",
             "architecture", "weight_bytes", "resident_bytes", "streamed_bytes_per_token", "host_bytes",
             "slot_count", "slot_bytes", "kv_bytes", "activations", "floor", "h2d_gbps", "tokens_per_s_bound",
-            "exact", "quantization")}
+            "exact", "quantization", "prefill_chunk")}
         d["experts"] = self.experts.to_dict() if self.experts else None
         d.update(workspace=dict(self.workspace), device_bytes=self.device_bytes, leases=self.leases(),
                  sources=dict(self.sources), notes=list(self.notes),
@@ -280,7 +281,7 @@ def make_plan(config, tensors, budget_bytes: int, *, budget_source="explicit", m
     common = dict(quantization=quantize, budget=budget_bytes, budget_source=kind, budget_detail=detail, granularity=gran,
                   max_context=max_context, batch=batch, architecture=config.architecture,
                   weight_bytes=weight_bytes, kv_bytes=kv, workspace=ws, activations=act, h2d_gbps=h2d_gbps,
-                  sources=src)
+                  sources=src, prefill_chunk=min(prefill_chunk, max_context))
     host_payload = sum(_payload(infos[n]) for n in host)
     host_places = tuple(Placement(n, HOST, 0, _payload(infos[n])) for n in host)
     expert_places = tuple(Placement(n, EXPERT, 0, q_payload(n, infos[n].shape, quantize)) for n in expert_names)
