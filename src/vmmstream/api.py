@@ -17,6 +17,7 @@ so far.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from pathlib import Path
@@ -68,6 +69,18 @@ def load_model(path, budget=None, *, max_context: int | None = None, slots: int 
                  prefill_chunk=prefill_chunk, quantize=quantize)
 
 
+def _stored_quantization(checkpoint, quantize):
+    """The quantization the plan sizes: a GPTQ / AWQ checkpoint's own (its weights are int4 already), else
+    ``quantize``. Asking a quantized checkpoint for another kind is a ``ValueError``."""
+    if checkpoint.quantization is None:
+        return quantize
+    if quantize not in (None, checkpoint.quantization):
+        raise ValueError(f"quantize={quantize!r}: {checkpoint.path} is a {checkpoint.format} checkpoint whose "
+                         f"layer weights are {checkpoint.quantization} already; load it without quantize (they "
+                         "are repacked as stored, never re-quantized)")
+    return checkpoint.quantization
+
+
 class Model:
     """A loaded model: its plan, the placement of its bytes, and the engine that runs on them; ``close()`` (or
     leaving the ``with`` block) releases them. Safe to share between threads: the calls of every model on one
@@ -99,10 +112,13 @@ class Model:
         self.placement = Placement(memory, self.holder)         # holds nothing until placed
         with self._lock:
             try:
-                from .model.checkpoint import read_eos_token_ids
+                from .model.companions import read_eos_token_ids
                 self.eos_token_ids = read_eos_token_ids(self.path, self.config.vocab_size)
+                quantize = _stored_quantization(checkpoint, quantize)
                 self.plan, tmax = plan_model(checkpoint, memory, max_context=max_context, slots=slots,
                                              h2d_gbps=h2d_gbps, prefill_chunk=prefill_chunk, quantize=quantize)
+                if checkpoint.notes:      # what loading this checkpoint's format does, beside the plan's own notes
+                    self.plan = dataclasses.replace(self.plan, notes=self.plan.notes + tuple(checkpoint.notes))
                 admit(memory.authority, self.holder, self.plan)
                 self.engine = Engine(memory, self.holder, self.config, self.plan)
                 self.placement.place(checkpoint, self.plan, tmax, self.engine.ops, self.engine.C,
@@ -233,14 +249,14 @@ class Model:
     def chat_template(self) -> chat_mod.ChatTemplate:
         """The checkpoint's chat template, compiled (``ChatTemplateError`` when it has none or it cannot be)."""
         if getattr(self, "_chat_template", None) is None:
-            from .model.checkpoint import read_chat_template
+            from .model.companions import read_chat_template
             source = chat_mod.select_template(read_chat_template(self.path))
             self._chat_template = chat_mod.ChatTemplate(source, chat_mod.special_tokens(self._tokenizer_config()))
         return self._chat_template
 
     def _tokenizer_config(self) -> dict:
         if getattr(self, "_tok_config", None) is None:
-            from .model.checkpoint import read_tokenizer_config
+            from .model.companions import read_tokenizer_config
             self._tok_config = read_tokenizer_config(self.path)
         return self._tok_config
 
@@ -325,7 +341,7 @@ class Model:
     @property
     def tokenizer(self):
         if not hasattr(self, "_tokenizer"):
-            from .model import load_tokenizer
+            from .model.companions import load_tokenizer
             self._tokenizer = load_tokenizer(self.path)
         return self._tokenizer
 
@@ -365,6 +381,7 @@ class Model:
             "committed": snap["committed"], "peak_committed": snap["peak_committed"], "budget": snap["budget"],
             "held": snap["by_holder"].get(self.holder, 0),
             "quantization": self.quantization,
+            "conversion": self.conversion,
         }
         ex = self.weights.experts if self.weights is not None else None
         if ex is not None:
@@ -390,6 +407,15 @@ class Model:
         if self.weights is None or self.plan.quantization is None:
             return None
         return self.weights.quant.to_dict()
+
+    @property
+    def conversion(self) -> dict | None:
+        """How tensors stored in another form (GGUF block types, GPTQ / AWQ parts) became the device values: per
+        stored format, the tensors, what they became (int4 / bf16), whether exactly, and the error against the
+        stored values. None when every tensor loaded as stored (bf16) or converted as usual (f16 / f32)."""
+        if self.weights is None or not self.weights.conversion.formats:
+            return None
+        return self.weights.conversion.to_dict()
 
     def memory_report(self) -> str:
         with self._lock:

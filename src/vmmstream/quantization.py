@@ -110,6 +110,7 @@ class ErrorReport:
     def __init__(self, kind: str | None):
         self.kind = kind
         self.tensors = 0
+        self.repacked = 0                  # of which stored quantized in the checkpoint, repacked exactly
         self.kept_bf16: list[str] = []
         self.bytes_bf16 = 0
         self.bytes_quantized = 0
@@ -134,6 +135,12 @@ class ErrorReport:
         with self._lock:
             self._record(name, w.size, lay, max_abs, sq_err, sq_ref, rel)
 
+    def record_exact(self, name: str, size: int, lay: QLayout) -> None:
+        """A weight the checkpoint stores in ``lay``'s kind already (GPTQ / AWQ), repacked as is: no error."""
+        with self._lock:
+            self.repacked += 1
+            self._record(name, size, lay, 0.0, 0.0, 0.0, 0.0)
+
     def _record(self, name, size, lay, max_abs, sq_err, sq_ref, rel) -> None:
         self.tensors += 1
         self.bytes_bf16 += 2 * size
@@ -145,7 +152,8 @@ class ErrorReport:
             self.worst_rel_rms, self.worst = rel, name
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "tensors": self.tensors, "kept_bf16": list(self.kept_bf16),
+        return {"kind": self.kind, "tensors": self.tensors, "repacked": self.repacked,
+                "kept_bf16": list(self.kept_bf16),
                 "bytes_bf16": self.bytes_bf16, "bytes_quantized": self.bytes_quantized,
                 "max_abs_error": self.max_abs,
                 "rel_rms_error": (self._sq_err / self._sq_ref) ** 0.5 if self._sq_ref else 0.0,
@@ -156,6 +164,9 @@ class ErrorReport:
             return "quantization: none (bf16 weights)"
         d = self.to_dict()
         from .budget import format_bytes
+        if self.repacked == self.tensors and self.tensors:
+            return (f"quantization: {self.kind} as the checkpoint stores it, {d['tensors']} weights repacked exactly "
+                    f"({format_bytes(d['bytes_bf16'])} bf16 -> {format_bytes(d['bytes_quantized'])})")
         text = (f"quantization: {self.kind}, {d['tensors']} weights, {format_bytes(d['bytes_bf16'])} bf16 -> "
                 f"{format_bytes(d['bytes_quantized'])}; round-trip error: relative RMS {d['rel_rms_error']:.2%} "
                 f"(worst {d['worst_rel_rms_error']:.2%} in {d['worst_tensor']}), max |err| {d['max_abs_error']:.3g}")

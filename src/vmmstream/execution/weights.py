@@ -63,6 +63,8 @@ class Weights:
         self.closed = False
         from ..quantization import ErrorReport
         self.quant = ErrorReport(plan.quantization)
+        from ..conversion import ConversionReport
+        self.conversion = ConversionReport()   # tensors stored in another form (GGUF types, GPTQ / AWQ parts)
         self.experts = None
         try:
             self._build(checkpoint, progress)
@@ -185,7 +187,8 @@ class Weights:
         # file is read; each result is placed when it is done, in the order it was submitted.
         from concurrent.futures import ThreadPoolExecutor
         n_workers = max(1, min(8, os.cpu_count() or 1))
-        workers = ThreadPoolExecutor(max_workers=n_workers) if self.quant.kind else None
+        sourced = [i for i in infos if i.source is not None]
+        workers = ThreadPoolExecutor(max_workers=n_workers) if self.quant.kind or sourced else None
         pending = []
 
         def drain(limit: int) -> None:
@@ -204,10 +207,20 @@ class Weights:
             if report is not None and hasattr(report, "close"):
                 report.close()           # a bar left open on an error would keep its line
             raise
-        infos = [i for i in infos if not self._plain(i)]
+        infos = [i for i in infos if not self._plain(i) and i.source is None]
         slow_report = None if report is None else \
             (lambda d, tot, info, final=False: report(done + d, total, info, final=final))
         try:
+            # tensors stored in another form: read and converted on the workers (``vmmstream.conversion``)
+            from ..conversion import convert
+            for info in sorted(sourced, key=lambda i: (i.file or "", i.offset)):
+                t = self.tensors[info.name]
+                pending.append((t, workers.submit(convert, info, t.payload, t.qlayout, self.quant, self.conversion)))
+                drain(2 * n_workers)
+                done += info.nbytes
+                if slow_report is not None:
+                    report(done, total, info)
+            drain(0)
             for info in iter_load(infos, buffer_for, progress=slow_report):
                 t = self.tensors[info.name]
                 if info.name in temp:
@@ -236,7 +249,8 @@ class Weights:
     def _plain(self, info) -> bool:
         """A tensor whose checkpoint bytes are its payload as they are (bf16, not quantized)."""
         t = self.tensors[info.name]
-        return info.dtype == "BF16" and t.qlayout is None and info.nbytes == t.payload and info.file is not None
+        return (info.dtype == "BF16" and t.qlayout is None and info.nbytes == t.payload and info.file is not None
+                and info.source is None)
 
     def _device_addr(self, t: Tensor) -> int | None:
         if t.where == "resident":

@@ -58,6 +58,10 @@ class TensorInfo:
     nbytes: int
     file: str | None           # None: a synthetic entry (a preset planned without writing it)
     offset: int                # absolute byte offset of the data in ``file``
+    # a tensor stored in another form (GPTQ / AWQ parts, a GGUF block type): ``source.read()`` gives its values,
+    # fp32 or ``Int4Weights``; ``source.format`` names the stored form, ``source.exact`` says whether bf16 / int4
+    # on the device holds the stored values exactly. ``nbytes`` is then what is read from the file(s).
+    source: object = field(default=None, compare=False, repr=False)
 
     @property
     def numel(self) -> int:
@@ -73,6 +77,9 @@ class Checkpoint:
     config: ModelConfig
     tensors: dict = field(hash=False)     # name -> TensorInfo, in the config's tensor order when validated
     files: tuple[str, ...] = ()
+    format: str = "safetensors"           # "safetensors", "gptq", "awq" or "gguf"
+    quantization: str | None = None       # "int4": its layers' linear weights come in that layout (GPTQ / AWQ)
+    notes: tuple = ()                     # what loading it does beyond reading bf16, for the plan
 
     @property
     def total_bytes(self) -> int:
@@ -226,7 +233,7 @@ def validate_tensors(config: ModelConfig, tensors: Mapping[str, TensorInfo]) -> 
             continue
         if tuple(t.shape) != tuple(shape):
             problems.append(f"tensor {name}: expected shape {list(shape)}, got {list(t.shape)}")
-        if t.dtype not in DTYPES:
+        if t.dtype not in DTYPES and t.source is None:
             problems.append(f"tensor {name} has dtype {t.dtype}; supported: {', '.join(DTYPES)}")
     extra = [n for n in tensors if n not in expected and not n.endswith(_IGNORED_SUFFIXES)
              and not (n == "lm_head.weight" and config.tie_word_embeddings)]
@@ -258,24 +265,34 @@ def split_rows(info: TensorInfo, parts) -> dict[str, TensorInfo]:
 
 
 def open_checkpoint(path, *, validate: bool = True) -> Checkpoint:
-    """Config + tensor headers of a checkpoint directory; no weight bytes are read."""
+    """Config + tensor headers of a checkpoint directory (bf16 / f16 / f32, or GPTQ / AWQ 4-bit as its config's
+    ``quantization_config`` says) or of a GGUF file; no weight bytes are read."""
+    from . import gguf
     root = Path(path)
+    if gguf.is_gguf(root):
+        return gguf.open_gguf(root, validate=validate)
     if not root.is_dir():
-        raise CheckpointError(f"{root} is not a directory; give a Hugging Face checkpoint directory")
-    config = _read_config(root)
+        raise CheckpointError(f"{root} is not a directory; give a Hugging Face checkpoint directory or a .gguf file")
+    raw = _read_config(root)
+    config = ModelConfig.from_dict(raw)
     tensors = read_headers(root)
+    fmt, quant, notes = "safetensors", None, ()
+    if isinstance(raw, dict) and raw.get("quantization_config") is not None:
+        from .quantized import prequantized_tensors
+        fmt, tensors, notes = prequantized_tensors(config, raw["quantization_config"], tensors)
+        quant = "int4"
     if validate:
         tensors = validate_tensors(config, tensors)
     files = tuple(dict.fromkeys(t.file for t in tensors.values()))
-    return Checkpoint(root, config, tensors, files)
+    return Checkpoint(root, config, tensors, files, fmt, quant, notes)
 
 
-def _read_config(root: Path) -> ModelConfig:
+def _read_config(root: Path):
     # not load_config: config.json is a file of the checkpoint like the others and gets the same guarded read
     path = root / CONFIG
     if not os.path.lexists(path):
         raise UnsupportedModelError(f"no config.json at {path}; a Hugging Face checkpoint directory has one")
-    return ModelConfig.from_dict(_read_json(path, "config", invalid=UnsupportedModelError))
+    return _read_json(path, "config", invalid=UnsupportedModelError)
 
 
 def synthetic_tensors(config: ModelConfig, dtype: str = "BF16") -> dict[str, TensorInfo]:
@@ -286,11 +303,14 @@ def synthetic_tensors(config: ModelConfig, dtype: str = "BF16") -> dict[str, Ten
 
 
 def read_tensor(info: TensorInfo, out=None) -> np.ndarray:
-    """One tensor's values: bf16 as uint16 bit patterns, f16/f32 as themselves.
+    """One tensor's values: bf16 as uint16 bit patterns, f16/f32 as themselves; a tensor stored in another form
+    (``info.source``) as its source reads it (fp32, or ``Int4Weights``).
 
     With ``out`` (a writable C-contiguous buffer of at least ``info.nbytes``, e.g. pinned host memory),
     the bytes land there directly and a view of it is returned.
     """
+    if info.source is not None and out is None:
+        return info.source.read()
     if info.dtype not in DTYPES:
         raise CheckpointError(f"tensor {info.name} has dtype {info.dtype}; supported: {', '.join(DTYPES)}")
     if info.file is None:
@@ -317,7 +337,8 @@ def iter_load(tensors: Iterable[TensorInfo], buffer_for: Callable[[TensorInfo], 
     try:
         for info in todo:
             if info.dtype not in DTYPES:
-                raise CheckpointError(f"tensor {info.name} has dtype {info.dtype}; supported: {', '.join(DTYPES)}")
+                raise CheckpointError(f"tensor {info.name} has dtype {info.dtype}; supported: {', '.join(DTYPES)}"
+                                      + ("; read it with its source" if info.source is not None else ""))
             if info.file is None:
                 raise CheckpointError(f"tensor {info.name} is synthetic; it has no bytes to read")
             if info.file != name:
@@ -337,84 +358,6 @@ def iter_load(tensors: Iterable[TensorInfo], buffer_for: Callable[[TensorInfo], 
 def load_all(tensors: Iterable[TensorInfo], buffer_for, *, progress=None) -> int:
     """``iter_load`` run to the end; returns the bytes read."""
     return sum(t.nbytes for t in iter_load(tensors, buffer_for, progress=progress))
-
-
-def load_tokenizer(path):
-    """A ``tokenizers.Tokenizer`` from ``tokenizer.json`` if both exist, else None (tokenizers is optional)."""
-    p = Path(path) / "tokenizer.json"
-    if not p.is_file():
-        return None
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        return None
-    return Tokenizer.from_file(str(p))
-
-
-GENERATION_CONFIG = "generation_config.json"
-TOKENIZER_CONFIG = "tokenizer_config.json"
-CHAT_TEMPLATE = "chat_template.jinja"
-
-
-def read_eos_token_ids(path, vocab_size: int | None = None) -> tuple[int, ...]:
-    """The checkpoint's end-of-sequence ids: ``eos_token_id`` of ``generation_config.json`` where that file has
-    it (not null), else of ``config.json``; one id or a list of them; () when neither says. A value that is not
-    an id or a list of ids is a ``CheckpointError``; ids outside ``[0, vocab_size)`` are dropped with a warning
-    (they could never be produced)."""
-    root = Path(path)
-    for name in (GENERATION_CONFIG, CONFIG):
-        f = root / name
-        if not os.path.lexists(f):
-            continue
-        doc = _read_json(f, name.removesuffix(".json").replace("_", " "))
-        value = doc.get("eos_token_id") if isinstance(doc, dict) else None
-        if value is None:
-            continue
-        ids = [value] if not isinstance(value, list) else value
-        if not all(_is_count(i) for i in ids):
-            raise CheckpointError(f"{f}: eos_token_id is {reprlib.repr(value)}; it must be a token id or a list "
-                                  "of token ids (non-negative integers)")
-        if vocab_size is not None and any(i >= vocab_size for i in ids):
-            import warnings
-            warnings.warn(f"{f}: eos_token_id {[i for i in ids if i >= vocab_size]} outside the vocabulary of "
-                          f"{vocab_size} ignored", RuntimeWarning, stacklevel=2)
-            ids = [i for i in ids if i < vocab_size]
-        return tuple(dict.fromkeys(ids))
-    return ()
-
-
-def read_tokenizer_config(path) -> dict:
-    """``tokenizer_config.json`` of the checkpoint (special tokens, chat template), or {} when there is none."""
-    f = Path(path) / TOKENIZER_CONFIG
-    if not os.path.lexists(f):
-        return {}
-    doc = _read_json(f, "tokenizer config")
-    if not isinstance(doc, dict):
-        raise CheckpointError(f"{f} is not a JSON object")
-    return doc
-
-
-def read_chat_template(path):
-    """The checkpoint's chat template source as transformers finds it: ``chat_template.jinja`` when that file
-    exists, else ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of ``{name, template}``
-    returned as a dict name -> template); None when there is none."""
-    root = Path(path)
-    f = root / CHAT_TEMPLATE
-    if os.path.lexists(f):
-        with _open_regular(f, MAX_JSON, "chat template") as fh:
-            raw = fh.read(MAX_JSON + 1)
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise CheckpointError(f"{f} is not UTF-8 text ({exc})") from None
-    value = read_tokenizer_config(root).get("chat_template")
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
-                                       and isinstance(t.get("template"), str) for t in value):
-        return {t["name"]: t["template"] for t in value}
-    raise CheckpointError(f"{root / TOKENIZER_CONFIG}: chat_template is {reprlib.repr(value)}; it must be a string "
-                          "or a list of {\"name\": ..., \"template\": ...} objects")
 
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
@@ -501,6 +444,15 @@ def _read_into(f, info: TensorInfo, view: memoryview) -> None:
             raise CheckpointError(f"{info.file} is truncated: tensor {info.name} needs {info.nbytes} bytes at "
                                   f"offset {info.offset}, only {got} were there")
         got += n
+
+
+def read_span(file, offset: int, nbytes: int, what: str) -> np.ndarray:
+    """``nbytes`` bytes of ``file`` from ``offset`` (uint8); ``what`` names them in a truncation error."""
+    out = np.empty(nbytes, np.uint8)
+    info = TensorInfo(what, "U8", (nbytes,), nbytes, str(file), offset)
+    with _open_regular(file) as f:
+        _read_into(f, info, memoryview(out).cast("B"))
+    return out
 
 
 def open_regular(path):
