@@ -22,9 +22,10 @@ pass 1 (``_split``, flash-decoding): block (split, kv head, b) covers positions 
 pass 2 (``_combine``): block (query head, b); each thread folds a few splits' partials online (its
   loads for ``C_UNROLL`` splits in flight at once), the threads merge through shared memory, bf16 out.
 
-Head dims 64, 128 and 256 (a whole warp per key row). Up to 8 query heads per KV head go in one pass-1 launch;
-more (multi-query attention, wide groups) go in groups of ``head_group(G)``, a launch each per KV head, on views of
-q, the KV head and the partials. Maxima are kept in log2 units (q is pre-scaled by scale * log2 e).
+Head dims 64, 128 and 256 (a whole warp per key row). Up to 8 query heads per KV head go in one pass-1 block;
+more (multi-query attention, wide groups) go in groups of ``head_group(G)``, the groups of a KV head side by side on
+the grid's y (one launch; each group's block reads the KV head's chunk, from L2 after the first). Maxima are kept in
+log2 units (q is pre-scaled by scale * log2 e).
 """
 
 from __future__ import annotations
@@ -110,15 +111,15 @@ def combine_threads(D: int, T: int = C_THREADS) -> int:
 
 
 def head_group(G: int) -> int:
-    """Query heads per pass-1 launch: all ``G`` of a KV head when ``G <= MAX_GROUP``; else the largest divisor of
-    ``G`` up to ``MAX_GROUP`` (multi-query and wide groups: one launch per KV head and group of query heads, each
-    reading that head's K and V again, from L2 when it fits)."""
+    """Query heads per pass-1 block: all ``G`` of a KV head when ``G <= MAX_GROUP``; else the largest divisor of
+    ``G`` up to ``MAX_GROUP`` (multi-query and wide groups: ``G / head_group(G)`` blocks per KV head and split,
+    side by side in one launch, each reading that head's K and V, from L2 after the first)."""
     return G if G <= MAX_GROUP else max(d for d in range(1, MAX_GROUP + 1) if G % d == 0)
 
 
 def _pairs(B, Hkv, G):
-    """(sequence, KV head) pairs one pass-1 launch covers: all of them, or one KV head's when the heads go in groups."""
-    return B * Hkv if G <= MAX_GROUP else B
+    """Pass-1 blocks per split: one per sequence, KV head and group of query heads."""
+    return B * Hkv * (G // head_group(G))
 
 
 def _layout(B, Hq, Hkv, D, S_max):
@@ -297,7 +298,7 @@ def _make_scatter_sum(P, L, NG):
 
 # ----------------------------------------------------------------------------- pass 1
 
-def _make_split(G, D, W=None, U=None, PF=None, MINB=None, FLAT=None, RS=None):
+def _make_split(G, D, W=None, U=None, PF=None, MINB=None, FLAT=None, RS=None, NG=1):
     W = WARPS if W is None else W
     RS = SCATTER_SUM if RS is None else RS
     FLAT = FLAT_LOADS if FLAT is None else FLAT
@@ -326,6 +327,10 @@ def _make_split(G, D, W=None, U=None, PF=None, MINB=None, FLAT=None, RS=None):
         sm_s = cuda.shared.array((W, G2), float32)     # per warp: max, sum per head
         sm_o = cuda.shared.array((W, G, D), float32)      # per warp: unnormalised output per head
         sp, kvh, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        hg = 0
+        if NG > 1:                                 # NG groups of G query heads per KV head: y = kvh * NG + group
+            hg = kvh % NG
+            kvh = kvh // NG
         c0 = sp * chunk
         n_all = min(seq_len[b], k.shape[1])
         if c0 >= n_all:
@@ -338,7 +343,7 @@ def _make_split(G, D, W=None, U=None, PF=None, MINB=None, FLAT=None, RS=None):
         if PAD:
             live = lane % L < DL8                  # a padding lane: zero q, K and V, so it adds nothing
         r_st = (wid * R + lane // L) * U           # this stream's first key of a step, relative to c0
-        h0 = kvh * G
+        h0 = (kvh * NG + hg) * G
 
         qr = cuda.local.array(QN, float32)         # this lane's 8 dims of every query head, pre-scaled
         for h in range(G):
@@ -608,16 +613,9 @@ def launch(q, k, v, seq_len, out, workspace, *, scale=None, stream):
     part_o = part["o"].reshape(B, Hq, ns, D)
     st = la.as_stream(stream)
     gs = head_group(G)
-    split = _kernel("split", gs, D, WARPS, KEYS, PREFETCH, MIN_BLOCKS, FLAT_LOADS, SCATTER_SUM)
-    if gs == G:
-        split[(ns, Hkv, B), 32 * WARPS, st](q, k, v, seq_len, part_m, part_l, part_o, chunk, float32(scale))
-    else:                   # per KV head and group of gs query heads: views with one KV head and gs query heads
-        for kvh in range(Hkv):
-            kk, vv = la.narrow(k, 2, kvh, 1), la.narrow(v, 2, kvh, 1)
-            for h in range(kvh * G, (kvh + 1) * G, gs):
-                split[(ns, 1, B), 32 * WARPS, st](la.narrow(q, 1, h, gs), kk, vv, seq_len,
-                                                  la.narrow(part_m, 1, h, gs), la.narrow(part_l, 1, h, gs),
-                                                  la.narrow(part_o, 1, h, gs), chunk, float32(scale))
+    ng = G // gs            # groups of gs query heads per KV head, side by side on the grid's y
+    split = _kernel("split", gs, D, WARPS, KEYS, PREFETCH, MIN_BLOCKS, FLAT_LOADS, SCATTER_SUM, ng)
+    split[(ns, Hkv * ng, B), 32 * WARPS, st](q, k, v, seq_len, part_m, part_l, part_o, chunk, float32(scale))
     _kernel("combine", D, C_THREADS, C_UNROLL)[(Hq, B), combine_threads(D, C_THREADS), st](
         part_m, part_l, part_o, seq_len, out, chunk)
 
@@ -633,6 +631,7 @@ SIGNATURES = (
     + [(_make_split(4, 256).py_func, _SPLIT_SIG), (_make_split(4, 96).py_func, _SPLIT_SIG)]   # padded lanes: 96
     + [(_make_split(4, D, FLAT=not FLAT_LOADS).py_func, _SPLIT_SIG) for D in _SWEPT]   # the other addressing
     + [(_make_split(G, D, RS=not SCATTER_SUM).py_func, _SPLIT_SIG) for G in (4, 3) for D in _SWEPT]
+    + [(_make_split(8, 128, NG=4).py_func, _SPLIT_SIG)]      # multi-query: 4 groups of 8 heads on the grid
     + [(_make_combine(D).py_func, f"void({_F32_3D}, {_F32_3D}, {_F32_4D}, int32[::1], {_U16_3D}, int64)")
        for D in (64, 128, 256, 96)]
 )

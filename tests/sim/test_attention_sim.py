@@ -174,6 +174,7 @@ def test_decode_device_length(switch_interval, B, D, S_max, lengths, three_d):
 @pytest.mark.parametrize("switch_interval", [5e-4], indirect=True)
 @pytest.mark.parametrize("B,Hq,Hkv,lengths", [
     (1, 18, 2, [20]),         # 9 query heads per KV head: groups of 3, two KV heads (multi-query is Hkv = 1)
+    (2, 16, 1, [20, 7]),      # multi-query, two sequences: 2 groups of 8 heads on the grid's y, per sequence
 ])
 def test_decode_wide_groups_go_in_head_groups(switch_interval, B, Hq, Hkv, lengths):
     assert ad.head_group(Hq // Hkv) < Hq // Hkv
