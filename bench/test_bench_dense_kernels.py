@@ -242,7 +242,8 @@ def test_bench_silu_mul(benchmark, copy_ceiling):
 
 # ------------------------------------------------------------------------------- prefill and decode
 
-@pytest.mark.parametrize("route,m", [("mma", 16), ("mma", 512), ("mma", 4096), ("simt", 16), ("simt", 512)])
+@pytest.mark.parametrize("route,m", [("cublaslt", 16), ("cublaslt", 512), ("cublaslt", 4096), ("mma", 16),
+                                     ("mma", 512), ("mma", 4096), ("simt", 16), ("simt", 512)])
 def test_bench_gemm_prefill(benchmark, route, m):
     """Prefill GEMM x[M, 4096] · W[14336, 4096]ᵀ: TFLOP/s of the tensor-core and SIMT routes, and torch.matmul
     (cuBLAS) on the same operands in the same run. (SIMT at M = 4096 would take seconds; M = 512 states its rate.)"""
@@ -252,8 +253,10 @@ def test_bench_gemm_prefill(benchmark, route, m):
     out = torch.empty(m, I, device="cuda", dtype=torch.bfloat16)
     t_torch = device_seconds(capture(lambda s: torch.matmul(x, w.t(), out=out), n=3), n=3, rounds=5)
     dx, dw, dout = nb(x), nb(w), nb(out)
-    t = device_seconds(capture(lambda s: gemm.gemm(dx, dw, dout, stream=s, route=route), n=3), benchmark, n=3,
-                       rounds=5)
+    from vmmstream.kernels.matmul.dense import cublaslt
+    ws = nb(torch.empty(cublaslt.WORKSPACE, device="cuda", dtype=torch.uint8)) if route == "cublaslt" else None
+    t = device_seconds(capture(lambda s: gemm.gemm(dx, dw, dout, stream=s, route=route, workspace=ws), n=3),
+                       benchmark, n=3, rounds=5)
     fl = gemm.flops(m, I, H)
     nbytes = gemm.bytes_moved(m, I, H)
     record(benchmark, seconds=t, nbytes=nbytes, TFLOPs=fl / t / 1e12, torch_TFLOPs=fl / t_torch / 1e12,

@@ -209,7 +209,7 @@ def _demo(args) -> int:
                 gran = drv.granularity()
             finally:
                 drv.close()
-            ws = workspace_peaks(ck.config, max_context, min(PREFILL_CHUNK, max_context))
+            ws = workspace_peaks(ck.config, max_context, min(PREFILL_CHUNK, max_context), backend)
             full = make_plan(ck.config, ck.tensors, 1 << 50, max_context=max_context, granularity=gran, workspace=ws)
             budget = full.floor + full.weight_bytes // 2
         size = sum(t.nbytes for t in ck.tensors.values())

@@ -93,7 +93,8 @@ def plan_model(checkpoint, memory, *, max_context=None, slots=None, h2d_gbps=Non
     def plan(walk: int):
         return make_plan(c, checkpoint.tensors, left, budget_source=(a.budget_source.kind, detail),
                          max_context=max_context, slots=slots, granularity=memory.granularity,
-                         workspace=workspace_peaks(c, mc, min(walk, mc)), h2d_gbps=h2d_gbps, legacy=memory.legacy,
+                         workspace=workspace_peaks(c, mc, min(walk, mc), memory.driver.backend), h2d_gbps=h2d_gbps,
+                         legacy=memory.legacy,
                          prefill_chunk=walk, sources={"granularity": "explicit", "workspace": "inferred"},
                          quantize=quantize)
     p = plan(chunk)
@@ -205,7 +206,7 @@ class Placement:
         attempt.raise_first()
 
 
-def workspace_peaks(config, max_context: int, tmax: int) -> dict:
+def workspace_peaks(config, max_context: int, tmax: int, backend: str = "host") -> dict:
     """Workspace peaks per lifetime class, from each kernel's ``workspace_requirement`` at the planned shapes.
 
     The kernels of one stream run in order, so one buffer of the largest need serves each class (max, not sum).
@@ -218,6 +219,9 @@ def workspace_peaks(config, max_context: int, tmax: int) -> dict:
                                                          c.head_dim, max_context).bytes,
                   sampling.workspace_requirement(1, c.vocab_size, "greedy").bytes,
                   sampling.workspace_requirement(1, c.vocab_size, "sample").bytes)
+    if backend == "cuda":               # the dense prefill GEMMs' cuBLASLt route, where it loads
+        from vmmstream.kernels.matmul.dense import gemm
+        session = max(session, gemm.workspace_requirement(tmax, c.hidden_size, c.hidden_size).bytes)
     at = tmax if c.is_moe else min(tmax, PREFILL_SUB)     # a dense walk's attention runs in parts of PREFILL_SUB
     step = attention_prefill.workspace_requirement(at, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                                                    start_pos=max_context - at).bytes

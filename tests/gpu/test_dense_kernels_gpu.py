@@ -129,14 +129,20 @@ def test_gemv_gate_up_silu(stream, rng, n, k, b):
 @pytest.mark.parametrize("m,n,k,bias,tm,route", [
     (2048, H, H, False, 4, "simt"), (77, I, H, True, 8, "simt"), (333, 96, 200, False, 4, "simt"),
     (2048, H, H, False, 4, "mma"), (77, I, H, True, 4, "mma"), (333, 96, 224, True, 4, "mma"),
-    (1, 3584, 3584, True, 4, "mma"), (4096, 1000, 512, False, 4, "mma")])
+    (1, 3584, 3584, True, 4, "mma"), (4096, 1000, 512, False, 4, "mma"),
+    (2048, H, H, False, 4, "cublaslt"), (77, I, H, True, 4, "cublaslt"), (333, 96, 224, True, 4, "cublaslt"),
+    (1, 3584, 3584, True, 4, "cublaslt"), (4096, 1000, 512, False, 4, "cublaslt")])
 def test_gemm(stream, rng, m, n, k, bias, tm, route):
     from numba import cuda
+
+    from vmmstream.kernels.matmul.dense import cublaslt
     x, w = bf16(rng, (m, k)), bf16(rng, (n, k), 0.05)
     bb = bf16(rng, n) if bias else None
     out = cuda.device_array((m, n), np.uint16, stream=stream)
+    ws = cuda.device_array(cublaslt.WORKSPACE, np.uint8, stream=stream) if route == "cublaslt" else None
+    assert route != "cublaslt" or cublaslt.available(), cublaslt.unavailable_reason()
     gemm.gemm(to_dev(x, stream), to_dev(w, stream), out, bias=None if bb is None else to_dev(bb, stream),
-              stream=stream, tm=tm, route=route)
+              stream=stream, tm=tm, route=route, workspace=ws)
     got = get(out, stream)
     rows = np.unique(np.concatenate([rng.integers(0, m, 48), [0, m - 1]]))   # fp64 reference on a sample
     assert_bf16_close(got[rows], gemm.reference(x[rows], w, bb), dot_slack(x[rows], w))

@@ -38,7 +38,7 @@ def _streaming_budget(path, gran) -> int:
     from vmmstream.planning import make_plan
     ck = open_checkpoint(path)
     full = make_plan(ck.config, ck.tensors, 1 << 40, granularity=gran, max_context=MC,
-                     workspace=workspace_peaks(ck.config, MC, MC))
+                     workspace=workspace_peaks(ck.config, MC, MC, "cuda"))
     return full.floor + full.weight_bytes // 2
 
 

@@ -50,7 +50,7 @@ def _budgets(path, gran, mc=MC, quantize=None):
     from vmmstream.model import open_checkpoint
     from vmmstream.planning import make_plan
     ck = open_checkpoint(path)
-    ws = workspace_peaks(ck.config, mc, mc)
+    ws = workspace_peaks(ck.config, mc, mc, "cuda")
     full = make_plan(ck.config, ck.tensors, 1 << 40, granularity=gran, max_context=mc, workspace=ws,
                      quantize=quantize)
     with pytest.raises(CapacityError) as e:
@@ -153,7 +153,7 @@ def test_moe_oracle_on_cuda_resident_and_experts_on_demand(driver, tmp_path, arc
     from vmmstream.planning import make_plan
     ck = open_checkpoint(tmp_path)
     full = make_plan(ck.config, ck.tensors, 1 << 40, granularity=driver.granularity(), max_context=MC,
-                     workspace=workspace_peaks(ck.config, MC, MC))
+                     workspace=workspace_peaks(ck.config, MC, MC, "cuda"))
     ep = full.experts
     dense = full.weight_bytes - ep.total * ep.unit_bytes
     for budget, where in ((full.floor + full.weight_bytes, "resident"),

@@ -101,31 +101,58 @@ def _make(tm: int, has_bias: bool, out_bf16: bool):
     return jit(gemm_kernel)
 
 
-def workspace_requirement(m: int, n: int, k: int):
-    """The tiles live in shared memory: no workspace."""
+CUBLASLT = "cublaslt"
+PREFER_CUBLASLT = True    # cuBLASLt where it loads (and a workspace is given): bench/test_bench_dense_kernels.py
+
+
+def cublaslt_usable() -> bool:
+    """Whether the cuBLASLt route is the one ``auto`` takes when given its workspace."""
+    if SIM or not PREFER_CUBLASLT:
+        return False
+    from vmmstream.kernels.matmul.dense import cublaslt
+    return cublaslt.available()
+
+
+def workspace_requirement(m: int, n: int, k: int, route: str = "auto"):
+    """Our kernels keep their tiles in shared memory: no workspace. The cuBLASLt route (``route`` ``cublaslt``,
+    or ``auto`` where it is usable) takes a session buffer of ``cublaslt.WORKSPACE`` bytes."""
+    if route == CUBLASLT or (route == "auto" and cublaslt_usable()):
+        from vmmstream.kernels.matmul.dense import cublaslt
+        return cublaslt.workspace_requirement(m, n, k)
     return NONE
 
 
-def choose_route(x, w) -> str:
-    """``mma`` (tensor cores, ``gemm_mma.py``) when it is the default (``gemm_mma.DEFAULT``) and takes the operands
-    (K a multiple of 32, rows 16-byte aligned), else ``simt``. The simulator runs ``simt`` unless asked: its
-    emulated mma is slow."""
-    from vmmstream.kernels.matmul.dense import gemm_mma
+def choose_route(x, w, out=None, workspace=None) -> str:
+    """``cublaslt`` when usable (``cublaslt_usable``), the output is bf16 and its workspace is given; else ``mma``
+    (tensor cores, ``gemm_mma.py``) when it is the default (``gemm_mma.DEFAULT``) and takes the operands (K a
+    multiple of 32, rows 16-byte aligned), else ``simt``. The simulator runs ``simt`` unless asked: its emulated
+    mma is slow."""
+    from vmmstream.kernels.matmul.dense import cublaslt, gemm_mma
+    if (workspace is not None and (out is None or out.dtype == np.uint16) and cublaslt_usable()
+            and workspace.shape[0] * workspace.dtype.itemsize >= cublaslt.WORKSPACE):
+        return CUBLASLT
     return MMA if gemm_mma.DEFAULT and not SIM and gemm_mma.usable(x, w) else SIMT
 
 
 def gemm(x, w, out, *, bias=None, workspace=None, stream=None, tm: int = TM_DEFAULT, route: str = "auto"):
     """out[M, N] = x[M, K] · w[N, K]ᵀ (+ bias[N]). bf16 (uint16) inputs; out uint16 (bf16) or float32.
-    ``route``: ``auto`` (``choose_route``), ``mma`` or ``simt`` (``tm`` applies to ``simt`` only)."""
+    ``route``: ``auto`` (``choose_route``), ``cublaslt`` (needs ``workspace``), ``mma`` or ``simt`` (``tm``
+    applies to ``simt`` only). ``workspace``: optional except for ``cublaslt``; ``auto`` takes cuBLASLt only
+    when it is given."""
     m, k = x.shape
     n = w.shape[0]
-    check_workspace("gemm", workspace, workspace_requirement(m, n, k).bytes)
     if w.shape[1] != k or out.shape != (m, n) or (bias is not None and bias.shape != (n,)):
         raise ValueError(f"gemm shapes: x {x.shape}, w {w.shape}, out {out.shape}")
     if tm not in (1, 2, 4, 8):
         raise ValueError(f"gemm micro-tile must be 1, 2, 4 or 8, got {tm}")
     if route == "auto":
-        route = choose_route(x, w)
+        route = choose_route(x, w, out, workspace)
+    if route == CUBLASLT:
+        from vmmstream.kernels.matmul.dense import cublaslt
+        check_workspace("gemm", workspace, cublaslt.WORKSPACE)
+        if m and n:
+            cublaslt.launch(x, w, out, bias=bias, workspace=workspace, stream=stream)
+        return
     if route == MMA:
         from vmmstream.kernels.matmul.dense import gemm_mma
         if not gemm_mma.usable(x, w):
@@ -134,7 +161,7 @@ def gemm(x, w, out, *, bias=None, workspace=None, stream=None, tm: int = TM_DEFA
         gemm_mma.launch(x, w, out, bias=bias, stream=stream)
         return
     if route != SIMT:
-        raise ValueError(f"gemm route must be 'auto', 'mma' or 'simt', got {route!r}")
+        raise ValueError(f"gemm route must be 'auto', 'cublaslt', 'mma' or 'simt', got {route!r}")
     kern = _make(tm, bias is not None, out.dtype == np.uint16)
     bm = 16 * tm
     if m and n:

@@ -116,7 +116,7 @@ class HostOps:
         else:
             self._run(s, lambda: self._store(out, self.k["gemv"].reference(w, x, bias)))
 
-    def gemm(self, s, x, w, out, bias=None):
+    def gemm(self, s, x, w, out, bias=None, ws=None):
         if _is_q(w):
             self._run(s, lambda: self._store(out, self._qref(w, x, bias)))
         else:
@@ -444,7 +444,8 @@ class CudaOps:
         else:
             qgemv.qgemv_mxfp4(w.packed, w.scales, x, out, bias=bias, stream=self._s(s), config=cfg)
 
-    def gemm(self, s, x, w, out, bias=None):
+    def gemm(self, s, x, w, out, bias=None, ws=None):
+        """``ws``: the session workspace, for the cuBLASLt route (bf16 weights) where it is planned."""
         self.launches += 1
         if _is_q(w):
             # prefill over quantized weights: W decoded in the load path, no cache (tensor cores on a GPU)
@@ -455,7 +456,7 @@ class CudaOps:
             else:
                 qgemm.qgemm_mxfp4(w.packed, w.scales, x, out, bias=bias, route=route, stream=self._s(s))
         else:
-            self.k["gemm"].gemm(x, w, out, bias=bias, stream=self._s(s))
+            self.k["gemm"].gemm(x, w, out, bias=bias, workspace=ws, stream=self._s(s))
 
     def gemv_multi(self, s, ws, x, outs, biases=None):
         self.launches += 1

@@ -168,7 +168,7 @@ class Step:
         a = self.acts.views(t)
         ids, pos = (a.inp, a.positions) if decode else (a.ids, a.pos)
         mm = (lambda out, w, x, b=None: o.gemv(S, w, x, out, bias=b)) if decode else \
-             (lambda out, w, x, b=None: o.gemm(S, x, w, out, bias=b))
+             (lambda out, w, x, b=None: o.gemm(S, x, w, out, bias=b, ws=self.ws_session))
         o.embedding(S, self.w.embedding_table, ids, a.x)
         first = "model.layers.0.input_layernorm.weight"
         self._use([first], lambda: o.rmsnorm(S, a.x, W(first), a.xn, self.eps))
