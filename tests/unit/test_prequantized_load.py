@@ -16,12 +16,11 @@ import shutil
 
 import numpy as np
 import pytest
-
 from hf_oracle import build_reference, check_against_reference
+from vmmstream.kernels.matmul.quant.formats import quantize_int4, unpack_nibbles
 
 import vmmstream
 from vmmstream.driver.host import HostDriver
-from vmmstream.kernels.matmul.quant.formats import quantize_int4, unpack_nibbles
 from vmmstream.memory import DeviceMemory
 from vmmstream.model import open_checkpoint
 from vmmstream.prequantized import AWQ_ORDER, PrequantizedFormatError
@@ -33,9 +32,9 @@ G = 64 << 10
 NEW = 24
 PROMPT = [1, 5, 9, 33, 7, 2]
 MC = 64
-COMMON = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-5,
-              initializer_range=0.02, bos_token_id=1, eos_token_id=2)
+COMMON = {"vocab_size": 128, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 256,
+          "rms_norm_eps": 1e-5, "initializer_range": 0.02, "bos_token_id": 1, "eos_token_id": 2}
 QC = {"gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": False,
                "checkpoint_format": "gptq"},
       "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}}
@@ -132,7 +131,7 @@ def test_prequantized_checkpoint_runs_its_int4_weights_as_stored(reference, meth
                                             ["worst_tensor"], "rel_rms_error": 0.0, "exact": True}}
     check_against_reference(f"{method}/{where}", tokens, logits, hf_tokens, hf_logits, 0.02)
     # the very model quantize="int4" makes of the bf16 checkpoint: same bytes on the device, same results
-    plan_q, stats_q, tokens_q, logits_q = _run(root / "bf16", budget, quantize="int4")
+    plan_q, _, tokens_q, logits_q = _run(root / "bf16", budget, quantize="int4")
     assert tokens == tokens_q
     np.testing.assert_array_equal(logits, logits_q)
     assert plan.weight_bytes == plan_q.weight_bytes and plan.resident_bytes == plan_q.resident_bytes

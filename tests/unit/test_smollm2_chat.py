@@ -18,6 +18,7 @@ import time
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import vmmstream
@@ -127,3 +128,51 @@ def test_smollm2_through_vmmstream_chat_on_a_terminal(smollm2):
             p.kill()
             p.wait()
         os.close(pid_fd)
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf(smollm2):
+    """The GGUF file itself loaded by ``load_model``, resident: (model, the bf16 checkpoint transformers wrote)."""
+    with vmmstream.load_model(_gguf_file(), budget="1GiB", backend="host", max_context=256, progress=False) as m:
+        yield m, smollm2
+
+
+def test_smollm2_gguf_loads_directly_with_transformers_weights_tokenizer_and_answer(smollm2_gguf):
+    """``load_model("x.gguf")``: every weight equals the bf16 value transformers' GGUF loader gives it (Q4_1 / Q8_0
+    decoded, q/k rows back in Hugging Face order), the chat template, tokenizer and end of turn come from the file,
+    and the answer is transformers' token for token."""
+    from tokenizers import Tokenizer
+
+    from vmmstream.model import open_checkpoint, read_tensor
+    m, (path, _, want_text, end) = smollm2_gguf
+    assert m.plan.strategy == "resident" and m.eos_token_ids == (end,)
+    ck = open_checkpoint(path)
+    for name, t in m.weights.tensors.items():
+        got = m.weights.embedding_table if name == "model.embed_tokens.weight" else t.array
+        np.testing.assert_array_equal(got, read_tensor(ck[name]), err_msg=name)
+    conv = m.stats()["conversion"]
+    assert set(conv) == {"GGUF Q4_1", "GGUF Q8_0", "GGUF F32"} and conv["GGUF Q4_1"]["tensors"] == 210
+    assert 0 < conv["GGUF Q4_1"]["rel_rms_error"] < 2 ** -8            # bf16 rounding of the decoded values
+    messages = [{"role": "user", "content": QUESTION}]
+    prompt = m.render_chat(messages)
+    hf_tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    assert m.tokenizer.encode(prompt, add_special_tokens=False).ids == hf_tok.encode(prompt,
+                                                                                     add_special_tokens=False).ids
+    assert m.chat(messages, NEW) == want_text
+
+
+def test_smollm2_gguf_streamed_answers_as_transformers(smollm2_gguf):
+    resident, (_, want_ids, _, end) = smollm2_gguf
+    budget = resident.plan.floor + resident.plan.weight_bytes // 2
+    ids = resident.tokenizer.encode(resident.render_chat([{"role": "user", "content": QUESTION}]),
+                                    add_special_tokens=False).ids
+    from vmmstream.driver.host import HostDriver
+    from vmmstream.memory import DeviceMemory
+    mem = DeviceMemory(HostDriver(granularity=resident.plan.granularity, total_bytes=1 << 30), budget)
+    try:
+        with vmmstream.load_model(_gguf_file(), memory=mem, max_context=256, progress=False) as m:
+            assert m.plan.strategy == "streamed" and m.plan.streamed_bytes_per_token > 0
+            assert m.generate(ids, NEW, eos_token_id=[end]) == want_ids
+    finally:
+        mem.close()
+        mem.driver.close()
