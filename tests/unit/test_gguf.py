@@ -154,9 +154,9 @@ def tiny(request, tmp_path_factory):
     return arch, path, stored, ids[len(PROMPT):], np.stack(logits)
 
 
-def _load(path, budget):
+def _load(path, budget, quantize=None):
     mem = DeviceMemory(HostDriver(granularity=G, total_bytes=1 << 30), budget)
-    return mem, vmmstream.load_model(path, memory=mem, max_context=MC)
+    return mem, vmmstream.load_model(path, memory=mem, max_context=MC, quantize=quantize)
 
 
 @pytest.mark.parametrize("where", ["resident", "streamed"])
@@ -193,6 +193,21 @@ def test_gguf_tensors_are_their_stored_values_in_bf16_and_run_as_transformers(ti
         assert any("GGUF: " in n and "stored as bf16" in n for n in m.plan.notes)
         tokens, logits = m.generate(PROMPT, NEW, return_logits=True, eos_token_id=[])
         check_against_reference(f"gguf {arch}/{where}", tokens, logits, hf_tokens, hf_logits, 0.02)
+    finally:
+        m.close()
+        mem.close()
+        mem.driver.close()
+
+
+def test_gguf_with_quantize_int4_quantizes_the_decoded_values(tiny):
+    arch, path, stored, _, _ = tiny
+    mem, m = _load(path, 1 << 30, quantize="int4")
+    try:
+        q, conv = m.quantization, m.conversion
+        assert q["tensors"] == 14 and q["repacked"] == 0 and 0 < q["rel_rms_error"] < 0.15
+        assert conv["GGUF Q4_K"]["stored_as"] == "int4" and conv["GGUF F32"]["stored_as"] == "bf16"
+        assert conv["GGUF Q4_K"]["rel_rms_error"] > 2 ** -8               # int4 error, not bf16 rounding
+        assert len(m.generate(PROMPT, 4, eos_token_id=[])) == 4
     finally:
         m.close()
         mem.close()
