@@ -200,7 +200,7 @@ def test_gguf_tensors_are_their_stored_values_in_bf16_and_run_as_transformers(ti
 
 
 def test_gguf_with_quantize_int4_quantizes_the_decoded_values(tiny):
-    arch, path, stored, _, _ = tiny
+    path = tiny[1]
     mem, m = _load(path, 1 << 30, quantize="int4")
     try:
         q, conv = m.quantization, m.conversion
