@@ -138,6 +138,37 @@ def test_tensor_core_prefill_and_prefill_graphs_on_cuda(driver, tmp_path, monkey
                                 hf_tokens, hf_logits, ATOL_FRAC)
 
 
+@pytest.mark.parametrize("arch,seed", [("llama", 0), ("qwen2", 9)])
+def test_prefill_walk_and_cublaslt_gemms_on_cuda(driver, tmp_path, monkeypatch, arch, seed):
+    """A 100-token prompt, streamed, walked 64 tokens at a time with the MLP's up projection in parts of 16: the
+    oracle with the prefill GEMMs on cuBLASLt and on our tensor-core kernel, each streamed weight copied once
+    per walk."""
+    from hf_oracle import build_reference
+
+    from vmmstream import loading
+    from vmmstream.kernels.matmul.dense import cublaslt, gemm
+    from vmmstream.planning import floor
+    prompt = [3 + (7 * i) % 500 for i in range(100)]
+    hf_tokens, hf_logits = build_reference(arch, seed, tmp_path, COMMON, prompt, NEW)
+    _, half, _ = _budgets(tmp_path, driver.granularity(), mc=160)
+    monkeypatch.setattr(floor, "PREFILL_SUB", 16)
+    monkeypatch.setattr(loading, "PREFILL_SUB", 16)
+    assert cublaslt.available(), cublaslt.unavailable_reason()
+    for prefer in (False, True):
+        monkeypatch.setattr(gemm, "PREFER_CUBLASLT", prefer)
+        mem = memory(driver, half)
+        try:
+            with vmmstream.load_model(tmp_path, memory=mem, max_context=160, prefill_chunk=64) as m:
+                assert m.plan.strategy == "streamed" and m.acts.sub == 16
+                before = m.stats()["page_ins"]
+                m.generate(prompt, 1, eos_token_id=[])
+                assert m.stats()["page_ins"] - before == len(m.plan.streamed) * 2
+                tokens, logits = m.generate(prompt, NEW, return_logits=True, eos_token_id=[])
+        finally:
+            mem.close()
+        check_against_reference(f"{arch} walk cublaslt={prefer}", tokens, logits, hf_tokens, hf_logits, ATOL_FRAC)
+
+
 # Seeds chosen on the host backend for the widest greedy margins over the 32 steps (smallest top-2 margin /
 # tolerance: mixtral 8 0.64, qwen2-moe 7 1.92; of seeds 0-39 and 0-7). mixtral 3 / qwen2-moe 0 had margins of
 # 0.06 / 0.12 of the tolerance and parted from transformers at a near-tie on the H200 (mixtral 3 on the host too).
