@@ -76,8 +76,13 @@ def convert(info, payload: int, qlayout, quant, report: ConversionReport) -> np.
         dequantize,
         dequantize_int4,
     )
+
+    from .model.quantized import Int4Parts
+    from .prequantized import repack
     src, shape = info.source, tuple(info.shape)
     vals = src.read()
+    if isinstance(vals, Int4Parts):
+        vals = repack(vals)
     out = np.zeros(payload, np.uint8)
     if isinstance(vals, Int4Weights):
         if qlayout is not None and qlayout.kind == "int4":

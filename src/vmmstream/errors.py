@@ -59,6 +59,10 @@ class WorkspaceShortfall(VmmstreamError, ValueError):
         self.given = given
 
 
+class PrequantizedFormatError(VmmstreamError, ValueError):
+    """A published quantized checkpoint (GPTQ, AWQ) whose layout is not one this package runs exactly."""
+
+
 class ContextLengthError(VmmstreamError, ValueError):
     """A generation that would need more positions than the model's KV cache was planned for (``max_context``).
 

@@ -19,15 +19,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import VmmstreamError
+from .errors import PrequantizedFormatError
 from vmmstream.kernels.matmul.quant.formats import INT4_GROUP, Int4Weights
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)        # nibble i of a word holds column AWQ_ORDER[i] of its 8
 _AWQ_COLUMN_NIBBLE = np.argsort(AWQ_ORDER)  # column j of the 8 is in nibble _AWQ_COLUMN_NIBBLE[j]
-
-
-class PrequantizedFormatError(VmmstreamError, ValueError):
-    """A published quantized tensor whose layout is not one this package runs exactly."""
 
 
 def unpack_words(words: np.ndarray) -> np.ndarray:
@@ -102,3 +98,16 @@ def awq_int4(qweight, qzeros, scales, *, group_size: int = 128) -> Int4Weights:
     z = columns(qzeros)                                           # [G, N]
     return Int4Weights(_pack_rows(np.ascontiguousarray(q)), np.ascontiguousarray(scales.T),
                        np.ascontiguousarray(_zeros(z, "qzeros").T))
+
+
+def repack(parts) -> Int4Weights:
+    """One stored layer (``vmmstream.model.quantized.Int4Parts``) as ``Int4Weights``; a layout not run exactly is a
+    ``PrequantizedFormatError`` naming the layer."""
+    a = parts.arrays
+    try:
+        if parts.method == "gptq":
+            return gptq_int4(a["qweight"], a["qzeros"], a["scales"], a.get("g_idx"), group_size=parts.group_size,
+                             v2=parts.v2)
+        return awq_int4(a["qweight"], a["qzeros"], a["scales"], group_size=parts.group_size)
+    except PrequantizedFormatError as exc:
+        raise PrequantizedFormatError(f"{parts.name} ({parts.method}): {exc}") from None

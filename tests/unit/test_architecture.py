@@ -25,7 +25,7 @@ RANKS = {
     "config": 2, "kernels.ops": 2, "model": 2, "text": 2, "chat": 2,
     "driver": 3, "kernels.matmul": 3, "kernels.attention": 3,
     "memory": 4, "kernels.moe": 4, "quantization": 4, "prequantized": 4, "kernels": 4,
-    "planning": 5,
+    "planning": 5, "conversion": 5,
     "execution": 6,
     "loading": 7, "generation": 7,
     "api": 8, "selfcheck": 8, "numba_plugin": 8, "cli_model": 8,

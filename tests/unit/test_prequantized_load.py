@@ -179,7 +179,7 @@ def test_layouts_we_cannot_run_exactly_are_refused_naming_the_tensor(reference, 
     save_file(sd, str(f))
     with pytest.raises(PrequantizedFormatError, match=r"model\.layers\.1\.mlp\.down_proj \(gptq\): g_idx.*act-order"):
         _run(tmp_path / "ck", 1 << 28)
-    # a layer weight left unquantized: refused when the checkpoint is opened
+    # a layer weight left unquantized: refused before the weights are read
     write_prequantized(root / "bf16", tmp_path / "mixed", "awq", keep=("model.layers.0.mlp.up_proj.weight",))
     with pytest.raises(PrequantizedFormatError, match=r"stored unquantized \(e\.g\. model\.layers\.0\.mlp\.up_proj"):
-        open_checkpoint(tmp_path / "mixed")
+        _run(tmp_path / "mixed", 1 << 28)

@@ -7,7 +7,6 @@ from .checkpoint import (  # noqa: F401
     TensorInfo,
     iter_load,
     load_all,
-    open_checkpoint,
     read_header,
     read_headers,
     read_tensor,
@@ -15,5 +14,6 @@ from .checkpoint import (  # noqa: F401
     validate_tensors,
 )
 from .companions import load_tokenizer  # noqa: F401
+from .opening import open_checkpoint  # noqa: F401
 from .config import ARCHITECTURES, ModelConfig, UnsupportedModelError, load_config  # noqa: F401
 from .presets import PRESETS, Preset, get_preset, make_checkpoint  # noqa: F401

@@ -59,7 +59,7 @@ class TensorInfo:
     file: str | None           # None: a synthetic entry (a preset planned without writing it)
     offset: int                # absolute byte offset of the data in ``file``
     # a tensor stored in another form (GPTQ / AWQ parts, a GGUF block type): ``source.read()`` gives its values,
-    # fp32 or ``Int4Weights``; ``source.format`` names the stored form, ``source.exact`` says whether bf16 / int4
+    # fp32 or the stored int4 parts (``quantized.Int4Parts``); ``source.format`` names the stored form, ``source.exact`` says whether bf16 / int4
     # on the device holds the stored values exactly. ``nbytes`` is then what is read from the file(s).
     source: object = field(default=None, compare=False, repr=False)
 
@@ -264,30 +264,8 @@ def split_rows(info: TensorInfo, parts) -> dict[str, TensorInfo]:
     return out
 
 
-def open_checkpoint(path, *, validate: bool = True) -> Checkpoint:
-    """Config + tensor headers of a checkpoint directory (bf16 / f16 / f32, or GPTQ / AWQ 4-bit as its config's
-    ``quantization_config`` says) or of a GGUF file; no weight bytes are read."""
-    from . import gguf
-    root = Path(path)
-    if gguf.is_gguf(root):
-        return gguf.open_gguf(root, validate=validate)
-    if not root.is_dir():
-        raise CheckpointError(f"{root} is not a directory; give a Hugging Face checkpoint directory or a .gguf file")
-    raw = _read_config(root)
-    config = ModelConfig.from_dict(raw)
-    tensors = read_headers(root)
-    fmt, quant, notes = "safetensors", None, ()
-    if isinstance(raw, dict) and raw.get("quantization_config") is not None:
-        from .quantized import prequantized_tensors
-        fmt, tensors, notes = prequantized_tensors(config, raw["quantization_config"], tensors)
-        quant = "int4"
-    if validate:
-        tensors = validate_tensors(config, tensors)
-    files = tuple(dict.fromkeys(t.file for t in tensors.values()))
-    return Checkpoint(root, config, tensors, files, fmt, quant, notes)
-
-
-def _read_config(root: Path):
+def read_config_json(root: Path):
+    """``config.json`` of a checkpoint directory, parsed (a dict for ``ModelConfig.from_dict``)."""
     # not load_config: config.json is a file of the checkpoint like the others and gets the same guarded read
     path = root / CONFIG
     if not os.path.lexists(path):
@@ -304,7 +282,7 @@ def synthetic_tensors(config: ModelConfig, dtype: str = "BF16") -> dict[str, Ten
 
 def read_tensor(info: TensorInfo, out=None) -> np.ndarray:
     """One tensor's values: bf16 as uint16 bit patterns, f16/f32 as themselves; a tensor stored in another form
-    (``info.source``) as its source reads it (fp32, or ``Int4Weights``).
+    (``info.source``) as its source reads it (fp32, or ``quantized.Int4Parts``).
 
     With ``out`` (a writable C-contiguous buffer of at least ``info.nbytes``, e.g. pinned host memory),
     the bytes land there directly and a view of it is returned.

@@ -1,29 +1,41 @@
 """GPTQ and AWQ checkpoints (4-bit safetensors as published on the hub) seen as ordinary checkpoints.
 
 A quantized linear layer ``X`` is stored as ``X.qweight``, ``X.qzeros``, ``X.scales`` (and for GPTQ ``X.g_idx``);
-``prequantized_tensors`` presents it as one logical tensor ``X.weight`` [N, K] whose ``source`` reads the parts
-and repacks them into the int4 layout (``vmmstream.prequantized``: the same codes, zero points and scales), so
+``prequantized_tensors`` presents it as one logical tensor ``X.weight`` [N, K] whose ``source`` reads the parts,
+which the loader repacks into the int4 layout (``vmmstream.prequantized``: the same codes, zero points and scales), so
 the planner, the streamer and the step see it exactly as a weight quantized at load with ``quantize="int4"``.
 Everything else (embeddings, norms, an unquantized ``lm_head``, biases) stays as stored.
 
 What ``config.json``'s ``quantization_config`` must say: ``quant_method`` gptq or awq, ``bits`` 4, ``group_size``
 128; GPTQ without act-order (``desc_act`` false), in the ``gptq`` or ``gptq_v2`` checkpoint format; AWQ in its
 GEMM packing (``version: gemm``) with zero points. Anything else is a ``PrequantizedFormatError`` naming it,
-before any weight byte is read.
+before any weight byte is read; so is a checkpoint that leaves some layer linear weights unquantized (checked by
+``load_model``, which knows which weights are linear).
 """
 
 from __future__ import annotations
 
-from ..prequantized import PrequantizedFormatError, awq_int4, gptq_int4
-from ..quantization import is_linear
+from typing import NamedTuple
+
+from ..errors import PrequantizedFormatError
 from .checkpoint import TensorInfo, read_span
 
 PARTS = ("qweight", "qzeros", "scales", "g_idx")
 _DTYPES = {"qweight": "I32", "qzeros": "I32", "scales": "F16", "g_idx": "I32"}
 
 
+class Int4Parts(NamedTuple):
+    """One stored layer as read: ``arrays`` {part: array} as the checkpoint has them (``vmmstream.prequantized.
+    repack`` turns them into ``Int4Weights``)."""
+    method: str           # "gptq" | "awq"
+    name: str             # the layer (``model.layers.0.mlp.down_proj``)
+    arrays: dict
+    group_size: int
+    v2: bool              # gptq_v2: zero points stored as they are, not minus 1
+
+
 class Int4Source:
-    """Reads one GPTQ / AWQ layer's parts and repacks them (``read() -> Int4Weights``); exact."""
+    """Reads one GPTQ / AWQ layer's parts (``read() -> Int4Parts``); the int4 layout holds them exactly."""
     exact = True
 
     def __init__(self, method: str, name: str, parts: dict, group_size: int, v2: bool):
@@ -36,16 +48,8 @@ class Int4Source:
         return raw.view({"I32": "<i4", "F16": "<f2"}[info.dtype]).astype({"I32": np.int32, "F16": np.float16}
                                                                           [info.dtype]).reshape(info.shape)
 
-    def read(self):
-        try:
-            if self.format == "gptq":
-                g_idx = self._read("g_idx") if "g_idx" in self.parts else None
-                return gptq_int4(self._read("qweight"), self._read("qzeros"), self._read("scales"), g_idx,
-                                 group_size=self.group_size, v2=self.v2)
-            return awq_int4(self._read("qweight"), self._read("qzeros"), self._read("scales"),
-                            group_size=self.group_size)
-        except PrequantizedFormatError as exc:
-            raise PrequantizedFormatError(f"{self.name} ({self.format}): {exc}") from None
+    def read(self) -> Int4Parts:
+        return Int4Parts(self.format, self.name, {p: self._read(p) for p in self.parts}, self.group_size, self.v2)
 
 
 def _settings(qc) -> tuple[str, int, bool]:
@@ -113,11 +117,6 @@ def prequantized_tensors(config, qc, tensors: dict) -> tuple[str, dict, tuple]:
         q = parts["qweight"]
         out[name] = TensorInfo(name, f"{method.upper()}-INT4", (n, k), sum(t.nbytes for t in parts.values()), q.file,
                                q.offset, Int4Source(method, base, parts, group, v2))
-    plain = [n for n in config.checkpoint_shapes() if is_linear(n) and n in out and out[n].source is None]
-    if plain:
-        raise PrequantizedFormatError(
-            f"{method} checkpoint with {len(plain)} layer linear weight(s) stored unquantized (e.g. {plain[0]}); "
-            "checkpoints that mix quantized and unquantized layer weights are not supported")
     notes = (f"{method} checkpoint: {len(bases)} 4-bit linear weights repacked into the int4 layout exactly (their "
              "codes, zero points and scales as stored; nothing re-quantized)"),
     return method, out, notes
