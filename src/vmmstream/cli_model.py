@@ -72,19 +72,21 @@ def _plan(args) -> int:
     gran = None if args.granularity is None else parse_budget(args.granularity)
 
     path = Path(args.model)
-    if path.is_dir():
+    quantize = args.quantize
+    if path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf"):
         ck = open_checkpoint(path)
         config, tensors, what = ck.config, ck.tensors, str(path)
+        quantize = ck.quantization or quantize          # a GPTQ / AWQ checkpoint is int4 as stored
     elif args.model in PRESETS:
         config = PRESETS[args.model].config
         tensors, what = synthetic_tensors(config), f"preset {args.model}"
     else:
-        raise VmmstreamError(f"{args.model!r} is neither a checkpoint directory nor a preset "
+        raise VmmstreamError(f"{args.model!r} is neither a checkpoint directory, a .gguf file nor a preset "
                              f"({', '.join(PRESETS)})")
     try:
         plan = make_plan(config, tensors, budget, budget_source=source, max_context=args.max_context,
                          batch=args.batch, slots=args.slots, granularity=gran, h2d_gbps=args.h2d_gbps,
-                         legacy=legacy, sources={"legacy": legacy_src}, quantize=args.quantize)
+                         legacy=legacy, sources={"legacy": legacy_src}, quantize=quantize)
     except VmmstreamError:
         raise
     except ValueError as exc:

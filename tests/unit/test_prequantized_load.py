@@ -183,3 +183,13 @@ def test_layouts_we_cannot_run_exactly_are_refused_naming_the_tensor(reference, 
     write_prequantized(root / "bf16", tmp_path / "mixed", "awq", keep=("model.layers.0.mlp.up_proj.weight",))
     with pytest.raises(PrequantizedFormatError, match=r"stored unquantized \(e\.g\. model\.layers\.0\.mlp\.up_proj"):
         _run(tmp_path / "mixed", 1 << 28)
+
+
+def test_vmmstream_plan_sizes_a_prequantized_checkpoint_as_int4(reference, capsys):
+    from vmmstream.cli import main
+    root = reference[0]
+    want = _full_plan(root / "bf16", "int4")
+    assert main(["plan", str(root / "gptq"), "--budget", "1GiB", "--json", "--max-context", str(MC),
+                 "--granularity", "64KiB"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["quantization"] == "int4" and d["weight_bytes"] == want.weight_bytes
