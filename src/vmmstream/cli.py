@@ -103,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache.set_defaults(fn=_cache)
     from .cli_model import add_subcommands; add_subcommands(sub)
     from .cli_run import add_subcommands as add_run; add_run(sub)
+    from .cli_serve import add_subcommands as add_serve; add_serve(sub)
     return p
 
 

@@ -145,6 +145,11 @@ class TokenStream:
         self.finish_reason: str | None = None
 
     @property
+    def prompt_tokens(self) -> int:
+        """How many tokens the prompt is, as encoded (for ``chat``: the rendered conversation)."""
+        return len(self._req.ids)
+
+    @property
     def tokens(self) -> list:
         return list(self._gen.run.tokens) if self._gen is not None else []
 
