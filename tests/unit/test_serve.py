@@ -46,10 +46,10 @@ BRIEF = [{"role": "system", "content": "You are terse."}, {"role": "user", "cont
 
 class Paced:
     """A ``SequenceEngine`` around another: ``delay`` seconds before each step, ``refuse`` raised by the next
-    starts while set."""
+    starts while set, ``break_step`` raised once by the next step."""
 
     def __init__(self, inner):
-        self.inner, self.delay, self.refuse = inner, 0.0, None
+        self.inner, self.delay, self.refuse, self.break_step = inner, 0.0, None, None
         self.max_batch, self.max_context = inner.max_batch, inner.max_context
 
     def prepare(self, params):
@@ -66,6 +66,9 @@ class Paced:
     def step(self):
         if self.delay:
             time.sleep(self.delay)
+        if self.break_step is not None:
+            exc, self.break_step = self.break_step, None
+            raise exc
         return self.inner.step()
 
     def cancel(self, seq):
@@ -110,7 +113,7 @@ class Live:
         try:
             yield
         finally:
-            self.engine.delay, self.engine.refuse = 0.0, None
+            self.engine.delay, self.engine.refuse, self.engine.break_step = 0.0, None, None
             s.max_queue, s.queue_timeout = saved
             wait_idle(self)
 
@@ -391,6 +394,29 @@ def test_a_client_killed_mid_stream_frees_its_slot(live, model):
     assert r.choices[0].text == model.generate("Hello", 4)
     assert _sample(live, "vmmstream_finished_requests_total", reason="cancelled") == cancelled + 1
     assert model.stats()["committed"] == idle and model._active is None
+    # a client that gives up on a whole (not streamed) answer frees the slot too
+    with live.limits(delay=0.02):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(live.url + "/v1/completions", json={**_stream_body(200), "stream": False}, timeout=0.3)
+        t0 = time.monotonic()
+        wait_idle(live, 2.0)
+        assert time.monotonic() - t0 < 1.0
+    assert _sample(live, "vmmstream_finished_requests_total", reason="cancelled") == cancelled + 2
+    assert model.stats()["committed"] == idle and model._active is None
+
+
+def test_an_engine_failure_ends_that_answer_and_the_server_goes_on(live, model):
+    with live.limits():
+        live.engine.break_step = RuntimeError("injected step failure")
+        with httpx.stream("POST", live.url + "/v1/completions", json=_stream_body(20)) as r:
+            assert r.status_code == 200
+            events = sse(r.iter_lines())
+        assert "injected step failure" in events[-1]["error"]["message"] and "[DONE]" not in events
+        live.engine.break_step = RuntimeError("injected step failure")
+        r = httpx.post(live.url + "/v1/completions", json={**_stream_body(20), "stream": False})
+        assert r.status_code == 500 and "injected step failure" in error_of(r)["message"]
+    r = live.client().completions.create(model=NAME, prompt="Hello", max_tokens=8, temperature=0)
+    assert r.choices[0].text == model.generate("Hello", 8) and model._active is None
 
 
 # -------------------------------------------------------------------------------------------------- metrics
