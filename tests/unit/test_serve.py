@@ -373,7 +373,7 @@ time.sleep(60)
 """
 
 
-def test_a_client_killed_mid_stream_frees_its_slot(live, model):
+def test_a_client_that_goes_away_frees_its_slot_or_its_place_in_the_queue(live, model):
     c = live.client()
     c.completions.create(model=NAME, prompt="Hello", max_tokens=200, temperature=0)     # the KV cache at its size
     idle = model.stats()["committed"]
@@ -394,6 +394,18 @@ def test_a_client_killed_mid_stream_frees_its_slot(live, model):
     assert r.choices[0].text == model.generate("Hello", 4)
     assert _sample(live, "vmmstream_finished_requests_total", reason="cancelled") == cancelled + 1
     assert model.stats()["committed"] == idle and model._active is None
+    # a client that gives up while it waits leaves the queue at once (its deadline is 10 s away)
+    with live.limits(delay=0.02):
+        with httpx.Client(base_url=live.url, timeout=30) as held:
+            with held.stream("POST", "/v1/completions", json=_stream_body(200)) as r:
+                lines = r.iter_lines()
+                next(lines)
+                with pytest.raises(httpx.ReadTimeout):
+                    httpx.post(live.url + "/v1/completions", json=_stream_body(4), timeout=0.3)
+                t0 = time.monotonic()
+                while live.scheduler.counts() != (1, 0):
+                    assert time.monotonic() - t0 < 1.0, live.scheduler.counts()
+                    time.sleep(0.005)
     # a client that gives up on a whole (not streamed) answer frees the slot too
     with live.limits(delay=0.02):
         with pytest.raises(httpx.ReadTimeout):
@@ -401,7 +413,7 @@ def test_a_client_killed_mid_stream_frees_its_slot(live, model):
         t0 = time.monotonic()
         wait_idle(live, 2.0)
         assert time.monotonic() - t0 < 1.0
-    assert _sample(live, "vmmstream_finished_requests_total", reason="cancelled") == cancelled + 2
+    assert _sample(live, "vmmstream_finished_requests_total", reason="cancelled") == cancelled + 3
     assert model.stats()["committed"] == idle and model._active is None
 
 

@@ -82,7 +82,8 @@ def create_app(engine, scheduler, metrics, *, model_name: str, max_body: int = M
         prepared = await run_in_threadpool(_prepare, engine, params)
         try:
             job = scheduler.submit(prepared, arrival=arrival)
-            await job.admitted()
+            if not await _admitted(job, request):
+                return Response(status_code=499)      # the client left while it waited: nobody to answer
         except Rejected as r:
             raise _refusal(r) from None
         answer = _Answer(params, model_name)
@@ -198,6 +199,28 @@ class _EventStream(StreamingResponse):
             self.job.cancel()
 
 
+async def _disconnected(request: Request) -> None:
+    """Return when the client has gone (the body is read by then: what remains to receive is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _admitted(job, request: Request) -> bool:
+    """Wait for the job's admission (``Rejected`` raised); False if the client disconnects first (the job is
+    then out of the queue)."""
+    admitted, gone = asyncio.ensure_future(job.admitted()), asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((admitted, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not admitted.done():
+            admitted.cancel()                 # Job.admitted cancels the job
+    if admitted.cancelled():
+        return False
+    admitted.result()
+    return True
+
+
 async def _collect(answer: _Answer, job, request: Request):
     """The whole answer; if the client disconnects first, the job is cancelled and nothing is sent."""
     async def gather():
@@ -206,11 +229,7 @@ async def _collect(answer: _Answer, job, request: Request):
             pieces.extend(t.text or "" for t in tokens)
         return "".join(pieces)
 
-    async def disconnected():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work, watch = asyncio.ensure_future(gather()), asyncio.ensure_future(disconnected())
+    work, watch = asyncio.ensure_future(gather()), asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
     finally:
