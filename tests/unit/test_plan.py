@@ -284,7 +284,7 @@ def test_cli_plan_refusals_print_nothing_on_stdout(monkeypatch, capsys):
     assert main(["plan", "llama-3b", "--budget", "50%"]) == 2
     assert "device total is unknown" in capsys.readouterr().err
     assert main(["plan", "no-such-model", "--budget", "1GiB"]) == 2
-    assert "neither a checkpoint directory nor a preset" in capsys.readouterr().err
+    assert "is neither a checkpoint directory, a .gguf file nor a preset" in capsys.readouterr().err
     monkeypatch.setenv("VMMSTREAM_LEGACY_ALLOCATOR", "1")
     assert main(["plan", "llama-3b", "--budget", "4GiB"]) == 2
     assert "VMMSTREAM_LEGACY_ALLOCATOR" in capsys.readouterr().err
