@@ -22,6 +22,7 @@ from .execution.step import Activations
 from .execution.weights import Weights
 from .interrupts import uninterruptible
 from .memory.transaction import Transaction
+from .planning import floor
 from .planning.floor import PREFILL_SUB, streaming_walk
 
 # Every role a plan leases: a model's teardown gives back each one of them.
@@ -100,16 +101,22 @@ def plan_model(checkpoint, memory, *, max_context=None, slots=None, h2d_gbps=Non
     p = plan(chunk)
     if prefill_chunk is None and p.strategy == "streamed":
         # Streamed weights are read once per walk: a longer walk streams a long prompt's weights fewer times
+        def floor_of(q):              # what a walk changes: activations and the workspaces
+            return q.activations + sum(q.workspace.values())
         walk, longer = streaming_walk(c, mc, p.batch, memory.granularity, left), None
         while walk > p.prefill_chunk and longer is None:      # the longest walk under its share that still fits
             try:
                 longer = plan(walk)
             except CapacityError:
+                pass
+            if longer is not None and floor_of(longer) - floor_of(p) > left // floor.WALK_SHARE:
+                longer = None             # a mixture of experts' step workspace grows with the walk too
+            if longer is None:
                 walk = max(p.prefill_chunk, 1 << (walk - 1).bit_length() - 1)
         if longer is not None and longer.strategy == "streamed":
-            extra = longer.activations - p.activations
+            extra = floor_of(longer) - floor_of(p)
             note = (f"prefill walks {walk} tokens through each layer, so a prompt of up to {walk} tokens "
-                    f"streams each weight once; its activations take {format_bytes(extra)} more than a "
+                    f"streams each weight once; its activations and workspace take {format_bytes(extra)} more than a "
                     f"{p.prefill_chunk}-token walk's, streamed by each decode step instead "
                     "(prefill_chunk= sets the walk)")
             p = dataclasses.replace(longer, notes=longer.notes + (note,))

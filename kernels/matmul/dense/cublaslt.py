@@ -18,7 +18,6 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-
 from vmmstream.kernels.base.launch import data_ptr
 from vmmstream.kernels.base.workspace import Lifetime, WorkspaceRequirement
 
@@ -57,12 +56,28 @@ def unavailable_reason() -> str | None:
     return None if available() else _state.get("error")
 
 
+class Unsupported(RuntimeError):
+    """cuBLASLt offers no algorithm for a shape (raised before anything is enqueued: the caller may fall back)."""
+
+
 class _Plan:
     """Descriptors and the chosen algorithm of one (M, N, K, bias) shape."""
 
     def __init__(self, L, handle, m: int, n: int, k: int, has_bias: bool, align: int):
         self.L = L
-        self.desc = L.matmul_desc_create(_COMPUTE_32F, _CUDA_R_32F)
+        self.desc, self.a, self.b, self.d = L.matmul_desc_create(_COMPUTE_32F, _CUDA_R_32F), 0, 0, 0
+        try:
+            self._build(handle, m, n, k, has_bias, align)
+        except BaseException as e:
+            self.close()
+            if isinstance(e, Exception) and not isinstance(e, Unsupported):
+                raise Unsupported(f"cuBLASLt cannot plan bf16 [{m}, {k}] x [{n}, {k}]^T: {e}") from e
+            raise
+        self.algo_ptr = self.result.ptr       # cublasLtMatmulAlgo_t is the first member of the result
+        self.bias_ptr = np.zeros(1, np.uint64)
+
+    def _build(self, handle, m, n, k, has_bias, align) -> None:
+        L = self.L
         self._attr(L.MatmulDescAttribute.TRANSA, np.int32(_OP_T))
         if has_bias:
             self._attr(L.MatmulDescAttribute.EPILOGUE, np.int32(L.Epilogue.BIAS))
@@ -87,10 +102,7 @@ class _Plan:
         finally:
             L.matmul_preference_destroy(pref)
         if count[0] < 1:
-            self.close()
-            raise RuntimeError(f"cuBLASLt has no algorithm for bf16 [{m}, {k}] x [{n}, {k}]^T")
-        self.algo_ptr = self.result.ptr       # cublasLtMatmulAlgo_t is the first member of the result
-        self.bias_ptr = np.zeros(1, np.uint64)
+            raise Unsupported(f"cuBLASLt has no algorithm for bf16 [{m}, {k}] x [{n}, {k}]^T")
 
     def _attr(self, attr, value: np.ndarray) -> None:
         v = np.asarray(value)
@@ -99,8 +111,11 @@ class _Plan:
     def close(self) -> None:
         L = self.L
         for lay in (self.a, self.b, self.d):
-            L.matrix_layout_destroy(lay)
-        L.matmul_desc_destroy(self.desc)
+            if lay:
+                L.matrix_layout_destroy(lay)
+        if self.desc:
+            L.matmul_desc_destroy(self.desc)
+        self.desc = self.a = self.b = self.d = 0
 
 
 _ALPHA, _BETA = np.ones(1, np.float32), np.zeros(1, np.float32)
@@ -116,6 +131,11 @@ def _stream_handle(stream) -> int:
     return int(h or 0)
 
 
+def _rows_packed(a) -> bool:
+    st = getattr(a, "strides", None)
+    return st is None or (st[-1] == a.dtype.itemsize and st[0] == a.shape[-1] * a.dtype.itemsize)
+
+
 def launch(x, w, out, *, bias=None, workspace, stream=None) -> None:
     """out = x · wᵀ (+ bias) on ``stream``; ``workspace`` (uint8, ≥ ``WORKSPACE`` bytes) is cuBLASLt's."""
     L = _lib()
@@ -123,8 +143,10 @@ def launch(x, w, out, *, bias=None, workspace, stream=None) -> None:
         raise RuntimeError(f"cuBLASLt is not available: {_state.get('error')}")
     m, k = x.shape
     n = w.shape[0]
-    if out.dtype != np.uint16:
-        raise ValueError("the cuBLASLt route writes bf16 only")
+    if not (x.dtype == w.dtype == out.dtype == np.uint16) or (bias is not None and bias.dtype != np.uint16):
+        raise ValueError("the cuBLASLt route takes bf16 (uint16) operands only")
+    if not all(_rows_packed(a) for a in (x, w, out)):
+        raise ValueError("the cuBLASLt route takes row-major operands with packed rows")
     if workspace is None or workspace.shape[0] * workspace.dtype.itemsize < WORKSPACE:
         raise ValueError(f"the cuBLASLt route needs a workspace of {WORKSPACE} bytes")
     ptrs = [data_ptr(a) for a in (x, w, out)] + ([data_ptr(bias)] if bias is not None else [])

@@ -16,7 +16,6 @@ import functools
 
 import numpy as np
 from numba import config, cuda
-
 from vmmstream.kernels.base.dtypes import bf16_to_f32, dev_bf16_to_f32, dev_f32_to_bf16
 from vmmstream.kernels.base.jit import jit
 from vmmstream.kernels.base.launch import as_stream, cdiv, check_workspace
@@ -145,14 +144,20 @@ def gemm(x, w, out, *, bias=None, workspace=None, stream=None, tm: int = TM_DEFA
         raise ValueError(f"gemm shapes: x {x.shape}, w {w.shape}, out {out.shape}")
     if tm not in (1, 2, 4, 8):
         raise ValueError(f"gemm micro-tile must be 1, 2, 4 or 8, got {tm}")
-    if route == "auto":
+    auto = route == "auto"
+    if auto:
         route = choose_route(x, w, out, workspace)
     if route == CUBLASLT:
         from vmmstream.kernels.matmul.dense import cublaslt
         check_workspace("gemm", workspace, cublaslt.WORKSPACE)
-        if m and n:
-            cublaslt.launch(x, w, out, bias=bias, workspace=workspace, stream=stream)
-        return
+        try:
+            if m and n:
+                cublaslt.launch(x, w, out, bias=bias, workspace=workspace, stream=stream)
+            return
+        except cublaslt.Unsupported:       # nothing enqueued: auto takes our kernels for this shape
+            if not auto:
+                raise
+            route = choose_route(x, w)
     if route == MMA:
         from vmmstream.kernels.matmul.dense import gemm_mma
         if not gemm_mma.usable(x, w):

@@ -89,7 +89,7 @@ class Activations:
         key = (name, start, count, shape)
         v = self._row_views.get(key)
         if v is None:
-            if len(self._row_views) >= 4 * self.VIEW_SETS:
+            if len(self._row_views) >= 4 * self.VIEW_SETS + 8 * -(-self.tmax // self.sub):   # a whole walk's
                 self._row_views.pop(next(iter(self._row_views)))
             row, dt, _ = self.spec[name]
             width = math.prod(row)
