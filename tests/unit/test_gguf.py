@@ -274,3 +274,23 @@ def test_gguf_architectures_and_features_not_read_are_refused_by_name(tmp_path):
     w.close()
     with pytest.raises(UnsupportedModelError, match="GGUF architecture 'phi2' is not supported"):
         open_checkpoint(tmp_path / "phi2.gguf")
+
+
+def test_a_gguf_type_the_reader_cannot_decode_is_refused_at_open(tmp_path):
+    """Q8_1 (an intermediate type llama.cpp never stores) is a known GGML type the gguf package cannot decode:
+    refused when the file is opened, before anything is allocated."""
+    from vmmstream.model import CheckpointError, open_checkpoint
+    path = tmp_path / "q8_1.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, v in ((w.add_block_count, 1), (w.add_context_length, 64), (w.add_embedding_length, 32),
+                   (w.add_feed_forward_length, 64), (w.add_head_count, 2), (w.add_head_count_kv, 1),
+                   (w.add_layer_norm_rms_eps, 1e-5), (w.add_rope_freq_base, 10000.0)):
+        add(v)
+    per, size = gguf.GGML_QUANT_SIZES[T.Q8_1]
+    w.add_tensor("token_embd.weight", np.zeros((16, 32 // per * size), np.uint8), raw_dtype=T.Q8_1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match="Q8_1, which the gguf package cannot decode"):
+        open_checkpoint(path, validate=False)

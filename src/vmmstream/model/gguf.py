@@ -180,6 +180,20 @@ def config_dict(g: GGUFFile) -> dict:
     return d
 
 
+@functools.lru_cache(maxsize=None)
+def _decodable(kind: str) -> bool:
+    """Whether ``gguf.quants.dequantize`` decodes GGML type ``kind`` (tried on one zero block, at open, so a file
+    of a type it cannot decode is refused before anything is allocated)."""
+    import gguf
+    t = gguf.GGMLQuantizationType[kind]
+    per, block = gguf.GGML_QUANT_SIZES[t]
+    try:
+        gguf.quants.dequantize(np.zeros((1, block), np.uint8), t)
+    except Exception:
+        return False
+    return True
+
+
 def open_gguf(path, *, validate: bool = True) -> Checkpoint:
     """A GGUF file as a ``Checkpoint`` (metadata and tensor table only; no weight bytes are read)."""
     g = parse(path)
@@ -196,6 +210,9 @@ def open_gguf(path, *, validate: bool = True) -> Checkpoint:
                     not in gguf.GGML_QUANT_SIZES:
                 raise CheckpointError(f"{g.path}: tensor {name} has GGML type {kind}, which this does not read")
             per, block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+            if not _decodable(kind):
+                raise CheckpointError(f"{g.path}: tensor {name} has GGML type {kind}, which the gguf package "
+                                      "cannot decode")
         else:
             per, block = gguf_quants.BLOCKS[kind]
         rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
