@@ -55,8 +55,8 @@ def add_subcommands(subparsers) -> None:
 
 
 def _plan(args) -> int:
+    from .loading import plan_walked
     from .model import PRESETS, open_checkpoint, synthetic_tensors
-    from .planning import make_plan
     if args.budget is not None:
         budget_value, source = args.budget, ("explicit", f"--budget {args.budget}")
     elif BUDGET.is_set():
@@ -84,9 +84,10 @@ def _plan(args) -> int:
         raise VmmstreamError(f"{args.model!r} is neither a checkpoint directory, a .gguf file nor a preset "
                              f"({', '.join(PRESETS)})")
     try:
-        plan = make_plan(config, tensors, budget, budget_source=source, max_context=args.max_context,
-                         batch=args.batch, slots=args.slots, granularity=gran, h2d_gbps=args.h2d_gbps,
-                         legacy=legacy, sources={"legacy": legacy_src}, quantize=quantize)
+        plan = plan_walked(config, tensors, budget, backend="cuda", budget_source=source,
+                           max_context=args.max_context, batch=args.batch, slots=args.slots, granularity=gran,
+                           h2d_gbps=args.h2d_gbps, legacy=legacy, sources={"legacy": legacy_src},
+                           quantize=quantize)
     except VmmstreamError:
         raise
     except ValueError as exc:

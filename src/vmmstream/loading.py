@@ -70,13 +70,9 @@ def plan_model(checkpoint, memory, *, max_context=None, slots=None, h2d_gbps=Non
     """The plan for ``checkpoint`` within ``memory``'s budget, and the prefill chunk ``tmax`` (the activation
     buffers' tokens): ``(plan, tmax)``. Raises ``UnsupportedModelError`` (shapes the CUDA kernels cannot run) or
     ``CapacityError`` (no plan fits)."""
-    from .planning import PREFILL_CHUNK, make_plan
-    from .planning.plan import DEFAULT_MAX_CONTEXT
     c = checkpoint.config
     if memory.driver.backend == "cuda":
         _check_cuda_shapes(c)
-    chunk = int(prefill_chunk or PREFILL_CHUNK)
-    mc = max_context if max_context is not None else c.default_context(DEFAULT_MAX_CONTEXT)
     a = memory.authority
     # Other models' grants are theirs: plan against what is left (idle retained handles count as free, a grant
     # takes them back). The source says so when it is less than the whole budget.
@@ -91,36 +87,49 @@ def plan_model(checkpoint, memory, *, max_context=None, slots=None, h2d_gbps=Non
         detail = (f"{detail + '; ' if detail else ''}{format_bytes(left)} of {format_bytes(a.budget)} left by "
                   "the other models on this device")
 
+    p = plan_walked(c, checkpoint.tensors, left, backend=memory.driver.backend, prefill_chunk=prefill_chunk,
+                    budget_source=(a.budget_source.kind, detail), max_context=max_context, slots=slots,
+                    granularity=memory.granularity, h2d_gbps=h2d_gbps, legacy=memory.legacy,
+                    sources={"granularity": "explicit", "workspace": "inferred"}, quantize=quantize)
+    return p, p.prefill_chunk
+
+
+def plan_walked(config, tensors, budget: int, *, backend: str, prefill_chunk=None, **kw):
+    """``make_plan`` with the kernels' workspace peaks for ``backend`` and, for a plan whose weights stream and
+    whose ``prefill_chunk`` is not given, the longest prefill walk within ``floor.WALK_SHARE`` of the budget
+    that still fits (a plan note says what it costs). What ``load_model`` and ``vmmstream plan`` both use."""
+    from .planning import PREFILL_CHUNK, make_plan
+    from .planning.plan import DEFAULT_MAX_CONTEXT
+    c = config
+    mc = kw.get("max_context") or c.default_context(DEFAULT_MAX_CONTEXT)
+    gran = kw.get("granularity") or floor.GRANULARITY
+
     def plan(walk: int):
-        return make_plan(c, checkpoint.tensors, left, budget_source=(a.budget_source.kind, detail),
-                         max_context=max_context, slots=slots, granularity=memory.granularity,
-                         workspace=workspace_peaks(c, mc, min(walk, mc), memory.driver.backend), h2d_gbps=h2d_gbps,
-                         legacy=memory.legacy,
-                         prefill_chunk=walk, sources={"granularity": "explicit", "workspace": "inferred"},
-                         quantize=quantize)
-    p = plan(chunk)
+        return make_plan(c, tensors, budget, workspace=workspace_peaks(c, mc, min(walk, mc), backend),
+                         prefill_chunk=walk, **kw)
+    p = plan(int(prefill_chunk or PREFILL_CHUNK))
     if prefill_chunk is None and p.strategy == "streamed":
         # Streamed weights are read once per walk: a longer walk streams a long prompt's weights fewer times
         def floor_of(q):              # what a walk changes: activations and the workspaces
             return q.activations + sum(q.workspace.values())
-        walk, longer = streaming_walk(c, mc, p.batch, memory.granularity, left), None
+        walk, longer = streaming_walk(c, mc, p.batch, gran, budget), None
         while walk > p.prefill_chunk and longer is None:      # the longest walk under its share that still fits
             try:
                 longer = plan(walk)
             except CapacityError:
                 pass
-            if longer is not None and floor_of(longer) - floor_of(p) > left // floor.WALK_SHARE:
+            if longer is not None and floor_of(longer) - floor_of(p) > budget // floor.WALK_SHARE:
                 longer = None             # a mixture of experts' step workspace grows with the walk too
             if longer is None:
                 walk = max(p.prefill_chunk, 1 << (walk - 1).bit_length() - 1)
         if longer is not None and longer.strategy == "streamed":
             extra = floor_of(longer) - floor_of(p)
             note = (f"prefill walks {walk} tokens through each layer, so a prompt of up to {walk} tokens "
-                    f"streams each weight once; its activations and workspace take {format_bytes(extra)} more than a "
-                    f"{p.prefill_chunk}-token walk's, streamed by each decode step instead "
+                    f"streams each weight once; its activations and workspace take {format_bytes(extra)} more "
+                    f"than a {p.prefill_chunk}-token walk's, streamed by each decode step instead "
                     "(prefill_chunk= sets the walk)")
             p = dataclasses.replace(longer, notes=longer.notes + (note,))
-    return p, p.prefill_chunk
+    return p
 
 
 def admit(authority, holder: str, plan) -> None:
