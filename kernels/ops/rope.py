@@ -181,16 +181,17 @@ def _rot1_to(arr, t, h, i, half, cs, sn, dst, p):
 
 @functools.lru_cache(maxsize=None)
 def _make_append(vec: int, threads: int):
-    def rope_append_kernel(q, k, v, ck, cv, positions, inv_freq, half, scale):
-        # q: [T, Hq, D], k, v: [T, Hkv, D] bf16 (q and k rotated in place, dims < 2 * half); ck, cv: [S_max, Hkv,
-        # D] the layer's cache (strided rows); rotated k and v go to row positions[t] when it is in [0, S_max).
+    def rope_append_kernel(q, k, v, ck, cv, positions, rows, inv_freq, half, scale):
+        # q: [T, Hq, D], k, v: [T, Hkv, D] bf16 (q and k rotated in place, dims < 2 * half) at positions[t]; ck,
+        # cv: [S, Hkv, D] cache rows (strided); rotated k and v go to row rows[t] when it is in [0, S) (one
+        # sequence: rows is positions; a batch: each sequence's rows are its own range of a flat cache).
         # grid: T; block: threads
         t = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         cs = cuda.shared.array(MAX_HALF, np.float32)
         sn = cuda.shared.array(MAX_HALF, np.float32)
-        p = positions[t]
-        pos = np.float32(p)
+        pos = np.float32(positions[t])
+        p = rows[t]
         if p >= ck.shape[0]:
             p = -1
         for i in range(tid, half, threads):
@@ -266,30 +267,32 @@ def apply_rope(q, k, positions, inv_freq, *, scale: float = 1.0, workspace=None,
                                                                      np.float32(scale))
 
 
-def apply_rope_append_kv(q, k, v, ck, cv, positions, inv_freq, *, scale: float = 1.0, workspace=None, stream=None,
-                         threads: int = 128):
-    """``apply_rope`` on q and k, then rotated k and v written to the layer's cache rows ``positions[t]``
-    (ck, cv: [S_max, Hkv, D], rows may be strided; a position outside [0, S_max) writes nothing), in one
-    launch: what a decode step did with a RoPE launch and a KV-append launch."""
+def apply_rope_append_kv(q, k, v, ck, cv, positions, inv_freq, *, rows=None, scale: float = 1.0, workspace=None,
+                         stream=None, threads: int = 128):
+    """``apply_rope`` on q and k, then rotated k and v written to the cache rows ``rows[t]`` (default
+    ``positions[t]``; ck, cv: [S, Hkv, D], rows may be strided; a row outside [0, S) writes nothing), in one
+    launch: what a decode step did with a RoPE launch and a KV-append launch. ``rows`` (int32 [T]) places each
+    token of a batch in its own sequence's range of a flat cache."""
+    rows = positions if rows is None else rows
     t, hq, d = q.shape
     check_workspace("rope_append_kv", workspace, workspace_requirement(t, hq, k.shape[1], d).bytes)
     half = _rotary_half(inv_freq, d)
     hkv = k.shape[1]
     if (d % 2 or tuple(k.shape) != (t, hkv, d) or tuple(v.shape) != (t, hkv, d) or positions.shape != (t,)
-            or half < 0 or ck.shape[1:] != (hkv, d) or tuple(cv.shape) != tuple(ck.shape)):
+            or half < 0 or ck.shape[1:] != (hkv, d) or tuple(cv.shape) != tuple(ck.shape) or rows.shape != (t,)):
         raise ValueError(f"rope_append_kv shapes: q {q.shape}, k {k.shape}, v {v.shape}, cache {ck.shape} / "
                          f"{cv.shape}, positions {positions.shape}, inv_freq {inv_freq.shape}")
     # 8-wide groups: the rotated halves, v's rows and k's unrotated tail all in whole 16-byte words
     vec = 8 if half % 8 == 0 and d % 8 == 0 and vec8_ok(q, k, v, ck, cv) else 1
-    _make_append(vec, check_threads(threads))[t, threads, as_stream(stream)](q, k, v, ck, cv, positions, inv_freq,
-                                                                            half, np.float32(scale))
+    _make_append(vec, check_threads(threads))[t, threads, as_stream(stream)](q, k, v, ck, cv, positions, rows,
+                                                                            inv_freq, half, np.float32(scale))
 
 
-def reference_append_kv(q, k, v, ck, cv, positions, inv_freq, scale: float = 1.0):
+def reference_append_kv(q, k, v, ck, cv, positions, inv_freq, scale: float = 1.0, rows=None):
     """NumPy twin of ``apply_rope_append_kv``: returns (q', k', ck', cv') as new arrays."""
     qr, kr = reference(q, positions, inv_freq, scale), reference(k, positions, inv_freq, scale)
     ck, cv = np.array(ck), np.array(cv)
-    for t, p in enumerate(np.asarray(positions)):
+    for t, p in enumerate(np.asarray(positions if rows is None else rows)):
         if 0 <= p < ck.shape[0]:
             ck[p] = kr[t]
             cv[p] = v[t]
@@ -322,7 +325,7 @@ def flops(tokens: int, q_heads: int, kv_heads: int, head_dim: int) -> int:
 _SIG = "void(uint16[:, :, ::1], uint16[:, :, ::1], int32[::1], float32[::1], int64, float32)"
 _SIG_STRIDED = "void(uint16[:, :, :], uint16[:, :, :], int32[::1], float32[::1], int64, float32)"  # views of qkv
 _SIG_APPEND = ("void(uint16[:, :, ::1], uint16[:, :, ::1], uint16[:, :, ::1], uint16[:, :, :], uint16[:, :, :], "
-               "int32[::1], float32[::1], int64, float32)")
+               "int32[::1], int32[::1], float32[::1], int64, float32)")
 SIGNATURES = [(_make(8, 128).py_func, _SIG), (_make(8, 128).py_func, _SIG_STRIDED),
               (_make(1, 128).py_func, _SIG), (_make_append(8, 128).py_func, _SIG_APPEND),
               (_make_append(1, 128).py_func, _SIG_APPEND)]

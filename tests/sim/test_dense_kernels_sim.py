@@ -480,3 +480,21 @@ def test_none_workspace_launch_accepts_any_view():
     out = cuda.device_array((1, 8), np.uint16)
     elementwise.residual_add(dev(a), dev(a), out, workspace=cuda.device_array(0, np.uint8), threads=32)
     np.testing.assert_array_equal(out.copy_to_host(), elementwise.reference("residual_add", a, a))
+
+
+def test_rope_append_kv_writes_each_token_at_its_own_row():
+    """A batch: token t rotated at its sequence position positions[t] but written to cache row rows[t] (its
+    sequence's range of a flat cache); the rows are not the positions."""
+    rng = np.random.default_rng(7)
+    t, hq, hkv, d, s = 3, 2, 1, 16, 12
+    q, k, v = bf16(rng, (t, hq, d)), bf16(rng, (t, hkv, d)), bf16(rng, (t, hkv, d))
+    ck, cv = bf16(rng, (s, hkv, d)), bf16(rng, (s, hkv, d))
+    pos, rows = np.array([3, 0, 5], np.int32), np.array([3, 4, 9], np.int32)    # sequences at 0, 4, 8
+    inv = rope.rope_inv_freq(d, 10000.0)
+    dq, dk, dck, dcv = dev(q), dev(k), dev(ck), dev(cv)
+    rope.apply_rope_append_kv(dq, dk, dev(v), dck, dcv, dev(pos), dev(inv), rows=dev(rows), threads=32)
+    wq, wk, wck, wcv = rope.reference_append_kv(q, k, v, ck, cv, pos, inv, rows=rows)
+    np.testing.assert_array_equal(dcv.copy_to_host(), wcv)
+    got = bf16_to_f32(dck.copy_to_host())
+    assert np.all(np.abs(got - bf16_to_f32(wck)) <= 2 ** -7 * np.abs(bf16_to_f32(wck)) + 1e-6)
+    assert not np.array_equal(wck[[3, 4, 9]], ck[[3, 4, 9]]) and np.array_equal(wck[[0, 5]], ck[[0, 5]])
