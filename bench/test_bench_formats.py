@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 import pytest
+from test_bench_user import h2d_gbps  # noqa: F401  (the pinned host-to-device fixture, shared)
 
 import vmmstream
 
@@ -98,9 +99,9 @@ def write_gguf(path, cfg: dict, layer_type: str, edge_type: str, tied: bool, see
     return str(path)
 
 
-def decode_case(path, budget, backend: str, quantize=None, h2d_gbps=None, new: int = NEW) -> dict:
+def decode_case(path, budget, backend: str, quantize=None, gbps=None, new: int = NEW) -> dict:
     """Load, one warm-up answer, then ``generate(PROMPT tokens, new)``: device decode tokens/s, wall tokens/s, the
-    plan's streamed bytes per step and the bound they give at ``h2d_gbps``."""
+    plan's streamed bytes per step and the bound they give at ``gbps`` (pinned host-to-device GB/s)."""
     t0 = time.perf_counter()
     with vmmstream.load_model(path, budget=budget, backend=backend, max_context=256, quantize=quantize,
                               progress=False) as m:
@@ -121,8 +122,8 @@ def decode_case(path, budget, backend: str, quantize=None, h2d_gbps=None, new: i
            "device_tok_s": dev_tok / (dev_ms / 1e3) if dev_ms > 0 else float("nan"),
            "streamed_bytes_per_step": plan.streamed_bytes_per_token,
            "formats": sorted(conv["formats"]) if isinstance(conv, dict) and "formats" in conv else None}
-    if h2d_gbps and plan.streamed_bytes_per_token:
-        out["bound_tok_s"] = h2d_gbps * 1e9 / plan.streamed_bytes_per_token
+    if gbps and plan.streamed_bytes_per_token:
+        out["bound_tok_s"] = gbps * 1e9 / plan.streamed_bytes_per_token
         out["ratio_to_bound"] = out["device_tok_s"] / out["bound_tok_s"]
     return out
 
@@ -132,22 +133,6 @@ def decode_case(path, budget, backend: str, quantize=None, h2d_gbps=None, new: i
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     return {}
-
-
-@pytest.fixture(scope="module")
-def h2d_gbps():
-    import torch
-    n = 256 << 20
-    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dev.copy_(host, non_blocking=True)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(8):
-        dev.copy_(host, non_blocking=True)
-    b.record()
-    b.synchronize()
-    return 8 * n / (a.elapsed_time(b) / 1e3) / 1e9
 
 
 @pytest.mark.gpu
@@ -174,6 +159,6 @@ def test_formats_bench_smoke_on_the_host_backend(tmp_path):
                num_key_value_heads=2)
     path = write_gguf(tmp_path / "t.gguf", cfg, "Q4_K", "Q6_K", False)
     resident = decode_case(path, 64 * MiB, "host", new=4)
-    streams = decode_case(path, 16 * MiB, "host", quantize="int4", h2d_gbps=50.0, new=4)
+    streams = decode_case(path, 16 * MiB, "host", quantize="int4", gbps=50.0, new=4)
     assert resident["strategy"] == "resident" and streams["strategy"] == "streamed"
     assert streams["bound_tok_s"] == 50e9 / streams["streamed_bytes_per_step"]
