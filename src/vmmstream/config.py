@@ -83,4 +83,8 @@ CACHE_DIR = Variable(
     "VMMSTREAM_CACHE_DIR", _parse_path, None,
     "where compiled kernels are kept (default: $XDG_CACHE_HOME/vmmstream, else ~/.cache/vmmstream)")
 
-ALL = (LEGACY_ALLOCATOR, BUDGET, BACKEND, KERNEL_CACHE, CACHE_DIR)
+CUBLASLT = Variable(
+    "VMMSTREAM_CUBLASLT", _parse_bool, False,
+    "1 = dense bf16 prefill GEMMs through cuBLASLt (needs nvmath-python: pip install 'vmmstream[cublas]')")
+
+ALL = (LEGACY_ALLOCATOR, BUDGET, BACKEND, KERNEL_CACHE, CACHE_DIR, CUBLASLT)

@@ -13,6 +13,7 @@ Output is bf16 (uint16) or fp32, whatever ``out`` is.
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 from numba import config, cuda
@@ -101,7 +102,9 @@ def _make(tm: int, has_bias: bool, out_bf16: bool):
 
 
 CUBLASLT = "cublaslt"
-PREFER_CUBLASLT = True    # cuBLASLt where it loads (and a workspace is given): bench/test_bench_dense_kernels.py
+# cuBLASLt where it loads and a workspace is given: VMMSTREAM_CUBLASLT=1 (off by default until measured on a GPU
+# beside our kernel: bench/test_bench_dense_kernels.py, tests/gpu/test_load_model_gpu.py)
+PREFER_CUBLASLT = os.environ.get("VMMSTREAM_CUBLASLT", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def cublaslt_usable() -> bool:
