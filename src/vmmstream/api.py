@@ -22,17 +22,31 @@ import itertools
 import threading
 from pathlib import Path
 
-from .budget import format_bytes
+import numpy as np
+
 from . import chat as chat_mod
 from . import validate
+from .budget import format_bytes
 from .driver import GATE
-from .interrupts import uninterruptible
 from .errors import Attempts, ContextLengthError, VmmstreamError
 from .execution.engine import Engine
-from .loading import Placement, admit, plan_model, prepare, release_leases
-from .loading import workspace_peaks  # noqa: F401  (re-exported: imported from here by tests and scripts)
-from .generation import Token, TokenStream  # noqa: F401  (public: re-exported with vmmstream.Token)
-from .generation import _Generation, _is_empty_sequence, _options, _Request
+from .generation import (  # noqa: F401  (public: re-exported with vmmstream.Token)
+    Token,
+    TokenStream,
+    _Generation,
+    _is_empty_sequence,
+    _options,
+    _Request,
+)
+from .interrupts import uninterruptible
+from .loading import (
+    Placement,
+    admit,
+    plan_model,
+    prepare,
+    release_leases,
+    workspace_peaks,  # noqa: F401  (re-exported: imported from here by tests and scripts)
+)
 from .text import check_stop_strings
 
 _ids = itertools.count(1)
@@ -43,7 +57,7 @@ MIN_TEMPERATURE = 1e-3
 
 def load_model(path, budget=None, *, max_context: int | None = None, slots: int | None = None,
                backend: str | None = None, memory=None, progress=None, h2d_gbps: float | None = None,
-               prefill_chunk: int | None = None, quantize: str | None = None) -> Model:
+               prefill_chunk: int | None = None, quantize: str | None = None, max_batch: int | None = None) -> Model:
     """Load the checkpoint at ``path`` to run within ``budget`` device bytes.
 
     ``budget``: bytes, ``"6GiB"``, ``"80%"``, ``0.8`` or ``"auto"`` (default: ``VMMSTREAM_BUDGET``, else auto).
@@ -54,19 +68,22 @@ def load_model(path, budget=None, *, max_context: int | None = None, slots: int 
     ``quantize``: ``"int4"`` (group 128, fp16 scale and zero point) or ``"mxfp4"`` (OCP MX, 32-element
     blocks) stores the layers' linear weights quantized, quantized on the host while loading; the plan,
     the streamed bytes and the bound use the quantized sizes, ``model.quantization`` reports the error.
+    ``max_batch``: sequences one decode step may advance together (``generate`` given a list of prompts); the
+    plan holds a KV range of ``max_context`` positions for each, whose pages are mapped as it grows.
     Raises ``CheckpointError`` / ``UnsupportedModelError`` (bad checkpoint), ``BudgetError`` (bad budget),
     ``CapacityError`` (no plan fits, or the memory is taken), ``DriverError``; nothing stays allocated.
     """
     max_context = validate.optional_integer("max_context", max_context, lo=1)
     slots = validate.optional_integer("slots", slots, lo=2, what="an integer >= 2 (streaming needs two slots)")
     prefill_chunk = validate.optional_integer("prefill_chunk", prefill_chunk, lo=1)
+    max_batch = validate.optional_integer("max_batch", max_batch, lo=1)
     if h2d_gbps is not None:
         h2d_gbps = validate.real("h2d_gbps", h2d_gbps, lo=0.0, lo_open=True)
     if not (progress is None or isinstance(progress, bool) or callable(progress)):
         raise TypeError(f"progress={progress!r}: expected True, False, None or a callable(done_bytes, total_bytes)")
     ck, memory = prepare(path, budget, memory=memory, backend=backend, quantize=quantize)
     return Model(ck, memory, max_context=max_context, slots=slots, progress=progress, h2d_gbps=h2d_gbps,
-                 prefill_chunk=prefill_chunk, quantize=quantize)
+                 prefill_chunk=prefill_chunk, quantize=quantize, max_batch=max_batch)
 
 
 def _stored_quantization(checkpoint, quantize):
@@ -89,6 +106,13 @@ def _stored_quantization(checkpoint, quantize):
     return checkpoint.quantization
 
 
+def _is_prompt_list(prompt) -> bool:
+    """A list of prompts (texts, or token-id sequences), not one prompt of token ids."""
+    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
+            and all(isinstance(p, str) or (hasattr(p, "__len__") and not isinstance(p, (bytes, dict)))
+                    for p in prompt))
+
+
 class Model:
     """A loaded model: its plan, the placement of its bytes, and the engine that runs on them; ``close()`` (or
     leaving the ``with`` block) releases them. Safe to share between threads: the calls of every model on one
@@ -102,7 +126,7 @@ class Model:
     rebalance_experts_auto = True
 
     def __init__(self, checkpoint, memory, *, max_context=None, slots=None, progress=None, h2d_gbps=None,
-                 prefill_chunk=None, quantize=None):
+                 prefill_chunk=None, quantize=None, max_batch=None):
         """``memory`` counts this model among its users already (``loading.prepare`` did); ``close()`` gives that
         back, also when this constructor fails."""
         self.path = Path(checkpoint.path)
@@ -123,8 +147,11 @@ class Model:
                 from .model.companions import read_eos_token_ids
                 self.eos_token_ids = read_eos_token_ids(self.path, self.config.vocab_size)
                 quantize = _stored_quantization(checkpoint, quantize)
+                if max_batch and max_batch > 1 and self.config.is_moe:
+                    raise ValueError("max_batch > 1: batched decode of a mixture of experts is not supported yet")
                 self.plan, tmax = plan_model(checkpoint, memory, max_context=max_context, slots=slots,
-                                             h2d_gbps=h2d_gbps, prefill_chunk=prefill_chunk, quantize=quantize)
+                                             h2d_gbps=h2d_gbps, prefill_chunk=prefill_chunk, quantize=quantize,
+                                             batch=max_batch)
                 if checkpoint.notes:      # what loading this checkpoint's format does, beside the plan's own notes
                     self.plan = dataclasses.replace(self.plan, notes=self.plan.notes + tuple(checkpoint.notes))
                 admit(memory.authority, self.holder, self.plan)
@@ -168,14 +195,51 @@ class Model:
         one; the text returned ends before it. For a token-id prompt the ids returned end with the token that
         completed the stop string.
 
+        A list of prompts (each ids or text) on a model loaded with ``max_batch`` > 1: one result per prompt,
+        decoded together, up to ``max_batch`` sequences a step, a prompt joining as a slot frees (greedy; stop
+        ids; no stop strings yet).
+
         Safe to call from several threads: calls on models that share the device's memory run one at a time.
         """
+        if _is_prompt_list(prompt):
+            if temperature != 0 or stop:
+                raise ValueError("a list of prompts decodes greedily with stop ids for now: temperature must be 0 "
+                                 "and stop None")
+            return self._generate_many(prompt, max_new_tokens, eos_token_id, return_logits)
         req = self._request(prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             seed=seed, eos_token_id=eos_token_id, stop=stop, return_logits=return_logits,
                             want_text=isinstance(prompt, str) or bool(stop))
         g = self._complete(req)
         result = g.text.text if isinstance(prompt, str) else list(g.run.tokens)
         return (result, g.run.logits_array()) if return_logits else result
+
+    def _generate_many(self, prompts, max_new_tokens, eos_token_id, return_logits):
+        from .execution.batch import BatchDecoder
+        if self.placement.batch_kv is None:
+            raise TypeError("prompt: expected token ids (ints) or text; a list of prompts needs a model loaded "
+                            "with max_batch > 1 (load_model(..., max_batch=8)), this one decodes one sequence at "
+                            "a time")
+        reqs = [self._request(p, max_new_tokens, eos_token_id=eos_token_id, return_logits=return_logits,
+                              want_text=isinstance(p, str)) for p in prompts]
+        seqs: list = [None] * len(reqs)
+        with self._lock:
+            self._take_engine()
+            dec = BatchDecoder(self.engine, self.placement.batch_kv)
+            try:
+                waiting = list(range(len(reqs)))
+                while waiting or dec.active():
+                    while waiting and dec.free_slots():            # joins between steps
+                        i = waiting.pop(0)
+                        r = reqs[i]
+                        seqs[i] = dec.add(r.ids, r.max_new_tokens, stop=r.eos, return_logits=r.return_logits)
+                    dec.step()
+            finally:
+                dec.close()
+        out = []
+        for p, q in zip(prompts, seqs):
+            res = self.tokenizer.decode(q.tokens) if isinstance(p, str) else list(q.tokens)
+            out.append((res, np.stack(q.logits)) if return_logits else res)
+        return out
 
     def _complete(self, req: _Request) -> _Generation:
         """Run ``req`` to its end with the lock held throughout: the same ``_Generation`` a stream advances, in

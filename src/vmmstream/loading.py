@@ -18,6 +18,7 @@ import numpy as np
 from .budget import format_bytes, parse_budget, parse_budget_spec
 from .errors import Attempts, BudgetError, CapacityError
 from .execution.kv import KVCache
+from .execution.kv_batch import BatchKV
 from .execution.step import Activations
 from .execution.weights import Weights
 from .interrupts import uninterruptible
@@ -66,7 +67,7 @@ def prepare(path, budget=None, *, memory=None, backend: str | None = None, quant
 
 
 def plan_model(checkpoint, memory, *, max_context=None, slots=None, h2d_gbps=None, prefill_chunk=None,
-               quantize=None):
+               quantize=None, batch=None):
     """The plan for ``checkpoint`` within ``memory``'s budget, and the prefill chunk ``tmax`` (the activation
     buffers' tokens): ``(plan, tmax)``. Raises ``UnsupportedModelError`` (shapes the CUDA kernels cannot run) or
     ``CapacityError`` (no plan fits)."""
@@ -88,7 +89,7 @@ def plan_model(checkpoint, memory, *, max_context=None, slots=None, h2d_gbps=Non
                   "the other models on this device")
 
     p = plan_walked(c, checkpoint.tensors, left, backend=memory.driver.backend, prefill_chunk=prefill_chunk,
-                    budget_source=(a.budget_source.kind, detail), max_context=max_context, slots=slots,
+                    budget_source=(a.budget_source.kind, detail), max_context=max_context, slots=slots, batch=batch,
                     granularity=memory.granularity, h2d_gbps=h2d_gbps, legacy=memory.legacy,
                     sources={"granularity": "explicit", "workspace": "inferred"}, quantize=quantize)
     return p, p.prefill_chunk
@@ -105,8 +106,8 @@ def plan_walked(config, tensors, budget: int, *, backend: str, prefill_chunk=Non
     gran = kw.get("granularity") or floor.GRANULARITY
 
     def plan(walk: int):
-        return make_plan(c, tensors, budget, workspace=workspace_peaks(c, mc, min(walk, mc), backend),
-                         prefill_chunk=walk, **kw)
+        return make_plan(c, tensors, budget, prefill_chunk=walk, **kw,
+                         workspace=workspace_peaks(c, mc, min(walk, mc), backend, kw.get("batch") or 1))
     p = plan(int(prefill_chunk or PREFILL_CHUNK))
     if prefill_chunk is None and p.strategy == "streamed":
         # Streamed weights are read once per walk: a longer walk streams a long prompt's weights fewer times
@@ -167,7 +168,7 @@ class Placement:
 
     def __init__(self, memory, holder: str):
         self.memory, self.holder = memory, holder
-        self.weights = self.kv = self.acts = None
+        self.weights = self.kv = self.acts = self.batch_kv = None
         self.ws_block = self.ws_session = None
         self.blocks = []                # the blocks allocated here (the weights and the KV cache free their own)
         self.closed = False
@@ -177,7 +178,12 @@ class Placement:
         the session workspace. The plan's leases must have been granted (``admit``)."""
         mem, c = self.memory, checkpoint.config
         self.weights = Weights(mem, ops, plan, checkpoint, self.holder, copy_stream, progress=progress)
-        self.kv = KVCache(mem, ops, c, plan, self.holder)
+        if plan.batch > 1:          # one VA range per sequence; the one-sequence path runs in the first
+            self.batch_kv = BatchKV(mem, ops, c, plan.max_context, plan.batch, self.holder)
+            self.kv = self.batch_kv.slot(0)
+            self.kv.ensure(1)         # as a one-sequence cache does: the warm-up step writes position 0
+        else:
+            self.kv = KVCache(mem, ops, c, plan, self.holder)
         self.acts = Activations(mem, ops, c, plan, self.holder, tmax, sub=PREFILL_SUB)
         self.blocks.append(self.acts.block)
         if self.weights.experts is not None:
@@ -202,7 +208,9 @@ class Placement:
 
         if self.weights is not None:
             attempt(self.weights.close)
-        if self.kv is not None:
+        if self.batch_kv is not None:
+            attempt(self.batch_kv.close)
+        elif self.kv is not None:
             attempt(self.kv.close)
         if not mem.closed:
             for b in self.blocks:
@@ -222,7 +230,7 @@ class Placement:
         attempt.raise_first()
 
 
-def workspace_peaks(config, max_context: int, tmax: int, backend: str = "host") -> dict:
+def workspace_peaks(config, max_context: int, tmax: int, backend: str = "host", batch: int = 1) -> dict:
     """Workspace peaks per lifetime class, from each kernel's ``workspace_requirement`` at the planned shapes.
 
     The kernels of one stream run in order, so one buffer of the largest need serves each class (max, not sum).
@@ -231,9 +239,11 @@ def workspace_peaks(config, max_context: int, tmax: int, backend: str = "host") 
     from vmmstream.kernels.attention import prefill as attention_prefill
     from vmmstream.kernels.ops import sampling
     c = config
-    session = max(attention_decode.workspace_requirement(1, c.num_attention_heads, c.num_key_value_heads,
-                                                         c.head_dim, max_context).bytes,
-                  sampling.workspace_requirement(1, c.vocab_size, "greedy").bytes,
+    session = max(attention_decode.workspace_requirement(b, c.num_attention_heads, c.num_key_value_heads,
+                                                         c.head_dim, s).bytes
+                  for b, s in {(1, max_context), (1, kv_stride(c, max_context, batch)),
+                               (batch, kv_stride(c, max_context, batch))})
+    session = max(session, sampling.workspace_requirement(batch, c.vocab_size, "greedy").bytes,
                   sampling.workspace_requirement(1, c.vocab_size, "sample").bytes)
     if backend == "cuda":               # the dense prefill GEMMs' cuBLASLt route, where it loads
         from vmmstream.kernels.matmul.dense import gemm
@@ -249,6 +259,14 @@ def workspace_peaks(config, max_context: int, tmax: int, backend: str = "host") 
         session = max(session, moe.workspace_requirement(1, k, n, c.moe_intermediate_size).bytes)
         step = max(step, moe.workspace_requirement(tmax, k, n, c.moe_intermediate_size).bytes)
     return {"step": int(step), "session": int(session)}
+
+
+def kv_stride(config, max_context: int, batch: int, granularity: int = floor.GRANULARITY) -> int:
+    """Positions per sequence range of the KV cache (a batch's ranges are whole granules)."""
+    if batch == 1:
+        return max_context
+    row = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
+    return floor.slot_stride(max_context, row, granularity)
 
 
 def _check_cuda_shapes(c) -> None:

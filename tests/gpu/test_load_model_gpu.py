@@ -169,6 +169,30 @@ def test_prefill_walk_and_cublaslt_gemms_on_cuda(driver, tmp_path, monkeypatch, 
         check_against_reference(f"{arch} walk cublaslt={prefer}", tokens, logits, hf_tokens, hf_logits, ATOL_FRAC)
 
 
+@pytest.mark.parametrize("quantize", [None, "int4"])
+def test_batched_decode_on_cuda_gives_each_sequence_its_own_tokens(driver, tmp_path, quantize):
+    """max_batch 3, five prompts of different lengths and lengths of answer (two join as slots free): every
+    sequence's tokens equal its tokens alone, resident and streamed; its KV pages are unmapped when it leaves."""
+    from hf_oracle import build_reference
+    build_reference("llama", 0, tmp_path, COMMON, [1, 2], 1)
+    prompts = [PROMPT, [3, 4], list(range(10, 31)), [7] * 9, [100, 17, 5]]
+    news = [12, 5, 9, 12, 7]
+    fits, half, _ = _budgets(tmp_path, driver.granularity(), quantize=quantize)
+    for budget, strategy in ((fits * 2, "resident"), (half, "streamed")):
+        mem = memory(driver, budget)
+        try:
+            with vmmstream.load_model(tmp_path, memory=mem, max_context=MC, quantize=quantize, max_batch=3) as m:
+                assert m.plan.strategy == strategy
+                alone = [m.generate(p, k, eos_token_id=[]) for p, k in zip(prompts, news)]
+                before = m.placement.batch_kv.committed()
+                together = [m.generate(prompts, k, eos_token_id=[]) for k in (12,)][0]
+                assert m.placement.batch_kv.committed() <= before
+        finally:
+            mem.close()
+        for got, want, k in zip(together, alone, news):
+            assert got[:k] == want, (strategy, quantize)
+
+
 # Seeds chosen on the host backend for the widest greedy margins over the 32 steps (smallest top-2 margin /
 # tolerance: mixtral 8 0.64, qwen2-moe 7 1.92; of seeds 0-39 and 0-7). mixtral 3 / qwen2-moe 0 had margins of
 # 0.06 / 0.12 of the tolerance and parted from transformers at a near-tie on the H200 (mixtral 3 on the host too).

@@ -34,11 +34,18 @@ class HostOps:
     backend = "host"
 
     def __init__(self, driver):
-        from vmmstream.kernels.attention import decode as attention_decode, prefill as attention_prefill
-        from vmmstream.kernels.ops import elementwise, embedding
-        from vmmstream.kernels.matmul.dense import gemm, gemv
-        from vmmstream.kernels.ops import norm, rope, sampling, scalars
+        from vmmstream.kernels.attention import decode as attention_decode
+        from vmmstream.kernels.attention import prefill as attention_prefill
         from vmmstream.kernels.base.dtypes import f32_to_bf16
+        from vmmstream.kernels.matmul.dense import gemm, gemv
+        from vmmstream.kernels.ops import (
+            elementwise,
+            embedding,
+            norm,
+            rope,
+            sampling,
+            scalars,
+        )
         self.driver = driver
         self.k = dict(attention_decode=attention_decode, attention_prefill=attention_prefill,
                       elementwise=elementwise, embedding=embedding, gemm=gemm, gemv=gemv, norm=norm, rope=rope,
@@ -150,9 +157,9 @@ class HostOps:
             k[...] = ref(k, positions, inv_freq, scale)
         self._run(s, run)
 
-    def rope_kv_append(self, s, q, k, v, ck, cv, positions, inv_freq, scale: float = 1.0):
+    def rope_kv_append(self, s, q, k, v, ck, cv, positions, inv_freq, scale: float = 1.0, rows=None):
         self.rope(s, q, k, positions, inv_freq, scale)
-        self.kv_append(s, k, v, ck, cv, positions)
+        self.kv_append(s, k, v, ck, cv, positions if rows is None else rows)
 
     def kv_append(self, s, k, v, ck, cv, positions):
         def run():
@@ -282,10 +289,17 @@ class CudaOps:
     def __init__(self, driver):
         from numba import cuda
 
-        from vmmstream.kernels.attention import decode as attention_decode, prefill as attention_prefill
-        from vmmstream.kernels.ops import elementwise, embedding
+        from vmmstream.kernels.attention import decode as attention_decode
+        from vmmstream.kernels.attention import prefill as attention_prefill
         from vmmstream.kernels.matmul.dense import gemm, gemv
-        from vmmstream.kernels.ops import norm, rope, sampling, scalars
+        from vmmstream.kernels.ops import (
+            elementwise,
+            embedding,
+            norm,
+            rope,
+            sampling,
+            scalars,
+        )
         self.cuda = cuda
         self.driver = driver
         self.k = dict(attention_decode=attention_decode, attention_prefill=attention_prefill,
@@ -470,9 +484,10 @@ class CudaOps:
         self.launches += 1
         self.k["rope"].apply_rope(q, k, positions, inv_freq, scale=scale, stream=self._s(s))
 
-    def rope_kv_append(self, s, q, k, v, ck, cv, positions, inv_freq, scale: float = 1.0):
+    def rope_kv_append(self, s, q, k, v, ck, cv, positions, inv_freq, scale: float = 1.0, rows=None):
         self.launches += 1
-        self.k["rope"].apply_rope_append_kv(q, k, v, ck, cv, positions, inv_freq, scale=scale, stream=self._s(s))
+        self.k["rope"].apply_rope_append_kv(q, k, v, ck, cv, positions, inv_freq, rows=rows, scale=scale,
+                                            stream=self._s(s))
 
     def kv_append(self, s, k, v, ck, cv, positions):
         if self._kv_kernel is None:

@@ -34,6 +34,7 @@ class Activations:
     """Named buffers for up to ``tmax`` tokens, sub-allocated in one block at a stable VA (role ``activations``)."""
 
     def __init__(self, mem, ops, config, plan, holder: str, tmax: int, sub: int | None = None):
+        self.batch = max(1, int(getattr(plan, "batch", 1)))
         c = config
         h, qd, kvd, v = c.hidden_size, c.q_dim, c.kv_dim, c.vocab_size
         inter = max(c.intermediate_size, c.moe_intermediate_size, c.shared_expert_intermediate_size)
@@ -47,10 +48,12 @@ class Activations:
             "attn": ((qd,), np.uint16, True), "q": ((qd,), np.uint16, True), "k": ((kvd,), np.uint16, True),
             "v": ((kvd,), np.uint16, True), "gate": ((inter,), np.uint16, True), "up": ((inter,), np.uint16, "sub"),
             "ids": ((), np.int32, True), "pos": ((), np.int32, True),
-            "logits": ((1, v), np.float32, False),
-            "next": ((1,), np.int32, False), "inp": ((1,), np.int32, False),
-            "positions": ((1,), np.int32, False), "lens": ((1,), np.int32, False),
-            "rng": ((4,), np.uint64, False), "out_tokens": ((1, plan.max_context), np.int32, False),
+            # decode state, one row per sequence of a batch (a one-sequence step uses row 0)
+            "logits": ((v,), np.float32, "batch"),
+            "next": ((), np.int32, "batch"), "inp": ((), np.int32, "batch"),
+            "positions": ((), np.int32, "batch"), "lens": ((), np.int32, "batch"),
+            "rows": ((), np.int32, "batch"),          # KV cache row of each sequence's new token (batch)
+            "rng": ((4,), np.uint64, False), "out_tokens": ((plan.max_context,), np.int32, "batch"),
             "inv_freq": ((c.rotary_dim // 2,), np.float32, False),     # RoPE table: the rotated pairs only
         }
         if c.is_moe:
@@ -64,7 +67,7 @@ class Activations:
                               "expert_stats": ((3,), np.int64, False)})
         self.offsets, off = {}, 0
         for name, (shape, dt, per_t) in self.spec.items():
-            n = math.prod(shape) * np.dtype(dt).itemsize * self._rows(per_t, tmax)
+            n = math.prod(shape) * np.dtype(dt).itemsize * (self.batch if per_t == "batch" else self._rows(per_t, tmax))
             self.offsets[name] = off
             off = align_up(off + n)
         self.nbytes = off
@@ -78,6 +81,8 @@ class Activations:
         self.config = c
 
     def _rows(self, per_t, t: int) -> int:
+        if per_t == "batch":
+            return min(t, self.batch)
         return (min(t, self.sub) if per_t == "sub" else t) if per_t else 1
 
     def addr(self, name: str) -> int:
@@ -160,10 +165,21 @@ class Step:
         launch()
         self.streamer.after(names)
 
-    def body(self, t: int, *, decode: bool, start_pos: int = 0, ws_step=None, last=None) -> None:
+    def body(self, t: int, *, decode: bool, start_pos: int = 0, ws_step=None, last=None, kv=None) -> None:
         """Embedding, every layer and the logits of the last token, for ``t`` tokens. ``last`` (prefill): a device
-        int32[1] holding the row whose logits are wanted (a padded prompt's last real row), else row t - 1."""
+        int32[1] holding the row whose logits are wanted (a padded prompt's last real row), else row t - 1.
+        ``kv`` (a batch's decode, ``t`` sequences): the cache to use instead of the step's own; token b's K and V go
+        to row ``rows[b]`` of its flat cache, and each row's logits are computed."""
         self._ws_step = ws_step
+        kv_of, batched = self.kv, kv is not None
+        if batched:
+            self.kv = kv
+        try:
+            self._body(t, decode, start_pos, ws_step, last, batched)
+        finally:
+            self.kv = kv_of
+
+    def _body(self, t, decode, start_pos, ws_step, last, batched) -> None:
         o, S, c, W = self.ops, self.S, self.c, self.w.array
         a = self.acts.views(t)
         ids, pos = (a.inp, a.positions) if decode else (a.ids, a.pos)
@@ -177,7 +193,7 @@ class Step:
             qkv = [(p + f"self_attn.{n}_proj.weight", p + f"self_attn.{n}_proj.bias" if c.attention_bias else None,
                     out) for n, out in (("q", a.q), ("k", a.k), ("v", a.v))]
             qkv_names = [n for wn, bn, _ in qkv for n in (wn, bn) if n]
-            if decode and self._fusable(qkv_names):
+            if decode and t == 1 and self._fusable(qkv_names):
                 self._use(qkv_names, lambda: o.gemv_multi(
                     S, [W(wn) for wn, _, _ in qkv], a.xn, [out for _, _, out in qkv],
                     [W(bn) for _, bn, _ in qkv] if c.attention_bias else None))
@@ -190,7 +206,7 @@ class Step:
                 self._use([qn, kn], lambda: (o.rmsnorm(S, a.qh, W(qn), a.qh, self.eps),
                                              o.rmsnorm(S, a.kh, W(kn), a.kh, self.eps)))
             o.rope_kv_append(S, a.q3, a.k3, a.v3, self.kv.k(layer), self.kv.v(layer), pos, a.inv_freq,
-                             self.rope_scale)
+                             self.rope_scale, rows=a.rows if batched else None)
             if decode:
                 o.attn_decode(S, a.q3, self.kv.k4(layer), self.kv.v4(layer), a.lens, a.attn3, self.ws_session)
             elif ws_step is None or t <= self.acts.sub:
@@ -215,7 +231,8 @@ class Step:
             o.embedding(S, a.xn, last, row)
         else:
             row = a.xn_last
-        self._use([self.head], lambda: o.gemv(S, W(self.head), row, a.logits))
+        logits = a.logits if decode else self.acts.views(1).logits
+        self._use([self.head], lambda: o.gemv(S, W(self.head), row, logits))
 
     def _attn_in_parts(self, layer: int, t: int, start_pos: int, ws) -> None:
         """Causal prefill attention of a walk, ``sub`` query rows at a time (each sees the keys before it)."""
@@ -232,7 +249,7 @@ class Step:
         o, S, W = self.ops, self.S, self.w.array
         wg, wu, wd = (p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down"))
         t, sub = a.xn.shape[0], self.acts.sub
-        if decode and self._fusable([wg, wu]):
+        if decode and t == 1 and self._fusable([wg, wu]):
             self._use([wg, wu], lambda: o.gemv_gate_up_silu(S, W(wg), W(wu), a.xn, a.gate))
         elif t > sub:               # a walk longer than the up buffer: up and silu·mul a sub-chunk at a time
             self._use([wg], lambda: mm(a.gate, W(wg), a.xn))
@@ -291,6 +308,15 @@ class Step:
 
     def _moe_ws(self, decode: bool):
         return self.ws_session if decode else self._ws_step
+
+    def decode_batch(self, n: int, kv) -> None:
+        """One greedy decode step of ``n`` sequences (the decode state's first ``n`` rows; ``kv`` the batch's cache
+        view): next[b] = argmax of sequence b's logits. The owner advances the state."""
+        self.streamer.begin(timed=True)
+        self.body(n, decode=True, kv=kv)
+        self.streamer.end()
+        a = self.acts.views(n)
+        self.ops.argmax(self.S, a.logits, a.next, self.ws_session)
 
     def select(self, sampling) -> None:
         """next = argmax(logits) (``sampling`` None) or a draw with (temperature, top_k, top_p)."""

@@ -27,10 +27,21 @@ def round_up(n: int, granularity: int) -> int:
 def kv_cache_bytes(config, max_context: int, batch: int, granularity: int) -> int:
     """K and V for every layer at ``max_context`` positions of ``batch`` sequences, bf16, one arena:
 
-    ``2 · layers · kv_heads · head_dim · 2 bytes · max_context · batch``, rounded up to a granule.
+    one sequence: ``2 · layers · kv_heads · head_dim · 2 bytes · max_context``, rounded up to a granule; a batch:
+    ``batch`` ranges of ``slot_stride`` positions each (whole granules per sequence, so each maps and unmaps its
+    own pages: ``execution/kv_batch.py``).
     """
-    raw = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * BF16 * max_context * batch
-    return round_up(raw, granularity)
+    row = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * BF16
+    if batch == 1:
+        return round_up(row * max_context, granularity)
+    return batch * slot_stride(max_context, row, granularity) * row
+
+
+def slot_stride(max_context: int, row_bytes: int, granularity: int) -> int:
+    """Positions per sequence range of a batch's KV cache: the least count >= ``max_context`` whose bytes
+    (``row_bytes`` a position) are whole granules."""
+    q = granularity // math.gcd(granularity, row_bytes)
+    return -(-max_context // q) * q
 
 
 def estimate_workspace(config, max_context: int, batch: int, prefill_chunk: int = PREFILL_CHUNK) -> dict:
@@ -78,8 +89,10 @@ def activation_bytes(config, max_context: int, batch: int, granularity: int,
     if experts:
         k = config.num_experts_per_tok
         per_token += 4 * experts + 4 * config.hidden_size + 12 * k + 4 + 4 * k * config.hidden_size
-    raw = batch * t * (per_token + 8) + batch * sub * BF16 * 2 * width + batch * config.vocab_size * 4
-    raw += 4 * max_context + 2 * config.head_dim + _BUFFERS * _ALIGN    # output tokens, RoPE table, alignment
+    rows = max(t, batch)           # a batch's decode step uses a prefix of the walk's buffers, one row a sequence
+    raw = rows * (per_token + 8) + max(sub, min(batch, t)) * BF16 * 2 * width + batch * config.vocab_size * 4
+    raw += batch * (4 * max_context + 20) + 2 * config.head_dim + _BUFFERS * _ALIGN   # output tokens and decode
+    # state per sequence, RoPE table, alignment
     if experts:     # expert location table, routing counts, decode counters
         raw += 12 * config.num_hidden_layers * experts + 24 + 4 * 256
     return round_up(raw, granularity)

@@ -1,0 +1,138 @@
+"""Many sequences per decode step: each in its own slot of a ``BatchKV``, every weight read once per step for all.
+
+    dec = BatchDecoder(engine, placement.batch_kv)
+    seq = dec.add(ids, 64, stop={2})      # KV pages committed for prompt + new tokens, prompt prefilled: 1st token
+    while dec.active():
+        dec.step()                        # one greedy decode step of every active sequence
+    dec.finish(seq)                       # or it leaves by itself at its stop id / max_new_tokens
+
+``add`` may be called between any two steps (continuous batching): a joining sequence's prefill runs eagerly in
+its own slot, with that slot's cache views. A sequence's KV pages are committed when it joins — for its prompt and
+every token it may produce, so a step never needs more — and unmapped when it leaves; a join whose pages the
+budget cannot hold raises ``CapacityError`` before any work for it. The decode state (last token, position,
+length and KV row of each slot) lives on the host and is uploaded before each step; the step runs the first
+``n`` slots, ``n`` one past the highest slot in use (a free slot inside has length 0: attention reads nothing and
+its K / V row is none). Greedy only, one eager step at a time (each ends with a read of the new tokens).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import CapacityError, VmmstreamError
+
+
+class Sequence:
+    """One prompt's generation in a batch: ``tokens`` (new ids so far), ``logits`` (with ``return_logits``),
+    ``done``."""
+
+    def __init__(self, slot: int, n: int, max_new_tokens: int, stop, return_logits: bool):
+        self.slot, self.n, self.m = slot, n, max_new_tokens
+        self.stop = frozenset(stop)
+        self.tokens: list[int] = []
+        self.logits: list = [] if return_logits else None
+        self.done = False
+
+    def _take(self, token: int, logits=None) -> None:
+        self.tokens.append(int(token))
+        if self.logits is not None:
+            self.logits.append(logits)
+        if token in self.stop or len(self.tokens) >= self.m:
+            self.done = True
+
+
+class BatchDecoder:
+    def __init__(self, engine, kv):
+        if kv is None:
+            raise VmmstreamError("this model was loaded for one sequence at a time: load it with max_batch > 1")
+        self.e, self.kv = engine, kv
+        self.slots: list[Sequence | None] = [None] * kv.slots
+        self.steps = 0
+
+    def active(self) -> list[Sequence]:
+        return [q for q in self.slots if q is not None and not q.done]
+
+    def free_slots(self) -> int:
+        return sum(q is None for q in self.slots)
+
+    def add(self, ids, max_new_tokens: int, *, stop=frozenset(), return_logits: bool = False) -> Sequence:
+        """Take a free slot, commit its KV pages and prefill ``ids`` (the caller checked them: non-empty, in the
+        vocabulary, ``len(ids) + max_new_tokens <= max_context``); the sequence holds its first new token."""
+        e, kv = self.e, self.kv
+        s = next((i for i, q in enumerate(self.slots) if q is None), None)
+        if s is None:
+            raise CapacityError(f"every one of the {kv.slots} sequence slots is taken", requested=0, budget=0,
+                                role="kv_cache", holder=e.holder)
+        n = len(ids)
+        try:
+            kv.ensure(s, n + max_new_tokens)
+        except BaseException:
+            kv.release(s)                    # the chunks mapped before the refusal
+            raise
+        seq = Sequence(s, n, max_new_tokens, stop, return_logits)
+        self.slots[s] = seq
+        try:
+            step, own = e.step, e.step.kv
+            step.kv = kv.slot(s)
+            graph_max, e.PREFILL_GRAPH_MAX = e.PREFILL_GRAPH_MAX, 0     # graphs hold slot 0's views: eager here
+            try:
+                e._prefill(ids, None)
+            finally:
+                step.kv, e.PREFILL_GRAPH_MAX = own, graph_max
+            first = e._read_tokens(n, 1)[0]
+            seq._take(first, e._read_logits() if return_logits else None)
+        except BaseException:
+            self.slots[s] = None
+            kv.release(s)
+            raise
+        return seq
+
+    def step(self) -> list[tuple[Sequence, int]]:
+        """One greedy decode step of every active sequence; returns (sequence, new token) pairs. Sequences that
+        are done (stop id, ``max_new_tokens``) leave: their pages are unmapped, their slots freed."""
+        live = self.active()
+        if not live:
+            return []
+        e, kv, d = self.e, self.kv, self.e.driver
+        n = 1 + max(q.slot for q in live)
+        state = np.zeros((4, n), np.int32)                  # inp, positions, lens, rows
+        state[3] = -1                                       # a free slot's K / V go nowhere
+        for q in live:
+            p = q.n + len(q.tokens) - 1                     # the position of the token this step reads
+            state[:, q.slot] = (q.tokens[-1], p, p + 1, kv.row(q.slot, p))
+        if 4 * n > e.acts.tmax:
+            raise VmmstreamError(f"a batch step of {n} sequences needs a prefill walk of at least {4 * n} tokens")
+        h = e._host("ids", np.int32, 4 * n)
+        h[:] = state.reshape(-1)
+        for i, name in enumerate(("inp", "positions", "lens", "rows")):
+            d.memcpy_htod_async(e.acts.addr(name), h.ctypes.data + 4 * n * i, 4 * n, e.S)
+        e._eager(lambda: e.step.decode_batch(n, kv.view(n)))
+        nxt = e._host("tokens", np.int32, n)
+        d.memcpy_dtoh_async(nxt.ctypes.data, e.acts.addr("next"), 4 * n, e.S)
+        logits = None
+        if any(q.logits is not None for q in live):
+            logits = np.empty((n, e.config.vocab_size), np.float32)
+            d.memcpy_dtoh_async(logits.ctypes.data, e.acts.addr("logits"), logits.nbytes, e.S)
+        d.stream_synchronize(e.S)
+        self.steps += 1
+        e.counters["decode_tokens"] += len(live)
+        out = []
+        for q in live:
+            tok = int(nxt[q.slot])
+            q._take(tok, None if logits is None or q.logits is None else logits[q.slot].copy())
+            out.append((q, tok))
+            if q.done:
+                self.finish(q)
+        return out
+
+    def finish(self, seq: Sequence) -> None:
+        """``seq`` leaves the batch: its pages are unmapped (after the queued work), its slot is free."""
+        if self.slots[seq.slot] is seq:
+            seq.done = True
+            self.slots[seq.slot] = None
+            self.kv.release(seq.slot)
+
+    def close(self) -> None:
+        for q in list(self.slots):
+            if q is not None:
+                self.finish(q)

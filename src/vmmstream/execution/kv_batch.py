@@ -1,0 +1,227 @@
+"""The KV cache of a batch: one VA range per sequence slot, committed by mapping pages at its end as the sequence
+grows and unmapped when it finishes — no paged-attention kernel, every sequence's K and V stay contiguous.
+
+Layout: ``[slots, stride, layers, 2 (K, V), Hkv, D]`` bf16. ``stride`` (positions per slot, at least
+``max_context``) is the least multiple of ``granularity / gcd(granularity, row_bytes)`` that holds ``max_context``,
+so each slot's range is whole granules and the slots tile one arena with no gap: the same memory is at once
+
+- one flat cache of ``slots · stride`` rows per layer (``k(layer)``: the append kernel writes token b of a step at
+  row ``b · stride + position``),
+- a ``[slots, stride, Hkv, D]`` batch (``k4(layer)``: decode attention reads sequence b's keys up to its length),
+- and each slot's own ``[stride, Hkv, D]`` cache (``slot_k(slot, layer)``: a joining sequence's prefill).
+
+Each slot's range is split into at most ``MAX_CHUNKS`` blocks reserved up front; ``ensure(slot, n)`` backs the
+next ones (never during a capture), ``release(slot)`` unmaps them (fenced on the streams' work), the VA stays.
+Committed bytes are charged to the model's ``kv_cache`` lease, so the authority refuses a sequence whose pages do
+not fit before any work is done for it.
+
+Owner: ``BatchKV`` owns its blocks and arena; ``close()`` releases them and is idempotent.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import Attempts, VmmstreamError
+from ..interrupts import uninterruptible
+from ..planning.floor import slot_stride
+
+MAX_CHUNKS = 8
+
+
+class BatchKV:
+    def __init__(self, mem, ops, config, max_context: int, slots: int, holder: str):
+        if mem.legacy:
+            raise VmmstreamError("batched decode maps KV pages per sequence: not with the legacy allocator")
+        self.mem, self.ops, self.holder = mem, ops, holder
+        self.layers, self.hkv, self.d = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+        self.max_context, self.slots = max_context, slots
+        self.row_bytes = self.layers * 2 * self.hkv * self.d * 2
+        g = mem.granularity
+        self.stride = slot_stride(max_context, self.row_bytes, g)
+        self.slot_bytes = self.stride * self.row_bytes
+        self.blocks: list[list] = [[] for _ in range(slots)]
+        self.backed = [0] * slots
+        self.arena_name = f"kvb:{holder}"
+        self.closed = False
+        try:
+            self._build(g)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, g: int) -> None:
+        mem = self.mem
+        mem.arena(self.arena_name, self.slots * self.slot_bytes)
+        per = -(-self.slot_bytes // MAX_CHUNKS)
+        chunk = max(g, -(-per // g) * g)
+        for s in range(self.slots):
+            off = 0
+            while off < self.slot_bytes:
+                n = min(chunk, self.slot_bytes - off)
+                b = mem.reserve(n, role="kv_cache", holder=self.holder, arena=self.arena_name)
+                self.blocks[s].append(b)
+                off += b.size
+        base = self.blocks[0][0].va
+        if any(bl[0].va != base + s * self.slot_bytes for s, bl in enumerate(self.blocks)):
+            raise VmmstreamError("KV slot ranges are not contiguous")   # pragma: no cover - a fresh arena
+        self.va = base
+        head, half, row, st = 2 * self.d, 2 * self.hkv * self.d, self.row_bytes, self.slot_bytes
+        flat = (self.slots * self.stride, self.hkv, self.d), (row, head, 2)
+        batch = (self.slots, self.stride, self.hkv, self.d), (st, row, head, 2)
+        self._k, self._v, self._k4, self._v4 = [], [], [], []
+        for layer in range(self.layers):
+            k, v = base + layer * 2 * half, base + layer * 2 * half + half
+            self._k.append(self.ops.view_strides(k, flat[0], np.uint16, flat[1]))
+            self._v.append(self.ops.view_strides(v, flat[0], np.uint16, flat[1]))
+            self._k4.append(self.ops.view_strides(k, batch[0], np.uint16, batch[1]))
+            self._v4.append(self.ops.view_strides(v, batch[0], np.uint16, batch[1]))
+        self._slot_views: dict = {}
+
+    # -- views (made once, never sliced per call) --
+    def k(self, layer: int):
+        """[slots · stride, Hkv, D]: every slot's rows, for the append kernel (row = slot · stride + position)."""
+        return self._k[layer]
+
+    def v(self, layer: int):
+        return self._v[layer]
+
+    def k4(self, layer: int):
+        """[slots, stride, Hkv, D] for decode attention."""
+        return self._k4[layer]
+
+    def v4(self, layer: int):
+        return self._v4[layer]
+
+    def slot(self, s: int) -> SlotKV:
+        """Slot ``s`` seen as a one-sequence cache (``k(layer)``: [stride, Hkv, D]) for its prefill."""
+        if s not in self._slot_views:
+            self._slot_views[s] = SlotKV(self, s)
+        return self._slot_views[s]
+
+    def row(self, s: int, position: int) -> int:
+        return s * self.stride + position
+
+    def view(self, n: int) -> BatchView:
+        """The first ``n`` slots, for a decode step of ``n`` sequences (made once per ``n``, kept)."""
+        if ("view", n) not in self._slot_views:
+            self._slot_views[("view", n)] = BatchView(self, n)
+        return self._slot_views[("view", n)]
+
+    # -- pages --
+    def committed(self, s: int | None = None) -> int:
+        slots = range(self.slots) if s is None else (s,)
+        return sum(b.size for i in slots for b in self.blocks[i][:self.backed[i]])
+
+    def pages_for(self, positions: int) -> int:
+        """Bytes a slot commits to hold ``positions`` positions (whole chunks)."""
+        need, have = min(positions, self.max_context) * self.row_bytes, 0
+        for b in self.blocks[0]:
+            if have >= need:
+                break
+            have += b.size
+        return have
+
+    @uninterruptible()
+    def ensure(self, s: int, positions: int) -> int:
+        """Commit pages for ``positions`` positions of slot ``s`` (VMM calls: between steps, never in a capture);
+        a refusal (``CapacityError``) leaves what was committed before. Returns the chunks mapped."""
+        need = min(positions, self.max_context) * self.row_bytes
+        mapped = 0
+        while self.committed(s) < need and self.backed[s] < len(self.blocks[s]):
+            self.mem.back(self.blocks[s][self.backed[s]])
+            self.backed[s] += 1
+            mapped += 1
+        return mapped
+
+    @uninterruptible()
+    def release(self, s: int) -> None:
+        """Unmap slot ``s``'s pages (fenced on the queued work that may still read them); its VA stays."""
+        while self.backed[s]:
+            self.mem.unmap(self.blocks[s][self.backed[s] - 1])
+            self.backed[s] -= 1
+
+    @uninterruptible()
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.mem.closed:
+            return
+        attempt = Attempts()
+        for bl in reversed(self.blocks):
+            for b in reversed(bl):
+                attempt(self.mem.free, b)
+        attempt(self.mem.synchronize)
+        arena = self.mem.arenas.get(self.arena_name)
+        if arena is not None and not attempt.errors and not arena._used:
+            attempt(arena.close)
+            if not attempt.errors:
+                del self.mem.arenas[self.arena_name]
+        attempt.raise_first()
+
+
+class SlotKV:
+    """One slot of a ``BatchKV`` with the interface of a one-sequence cache (``execution/kv.py``): ``k``/``v``
+    ([stride, Hkv, D]) and ``k4``/``v4`` ([1, stride, Hkv, D]) per layer, ``ensure``, ``committed``, ``grows``."""
+
+    def __init__(self, kv: BatchKV, s: int):
+        self.kv, self.s = kv, s
+        base = kv.va + s * kv.slot_bytes
+        head, half = 2 * kv.d, 2 * kv.hkv * kv.d
+        shape, strides = (kv.stride, kv.hkv, kv.d), (kv.row_bytes, head, 2)
+        self._k, self._v, self._k4, self._v4 = [], [], [], []
+        for layer in range(kv.layers):
+            k, v = base + layer * 2 * half, base + layer * 2 * half + half
+            self._k.append(kv.ops.view_strides(k, shape, np.uint16, strides))
+            self._v.append(kv.ops.view_strides(v, shape, np.uint16, strides))
+            self._k4.append(kv.ops.view_strides(k, (1,) + shape, np.uint16, (kv.slot_bytes,) + strides))
+            self._v4.append(kv.ops.view_strides(v, (1,) + shape, np.uint16, (kv.slot_bytes,) + strides))
+        self.grows = 0
+
+    def k(self, layer: int):
+        return self._k[layer]
+
+    def v(self, layer: int):
+        return self._v[layer]
+
+    def k4(self, layer: int):
+        return self._k4[layer]
+
+    def v4(self, layer: int):
+        return self._v4[layer]
+
+    @property
+    def committed(self) -> int:
+        return self.kv.committed(self.s)
+
+    def ensure(self, positions: int) -> int:
+        n = self.kv.ensure(self.s, positions)
+        self.grows += bool(n)
+        return n
+
+
+class BatchView:
+    """The first ``n`` slots of a ``BatchKV`` for one decode step of ``n`` sequences: ``k``/``v`` the flat cache
+    (the append kernel's rows), ``k4``/``v4`` ([n, stride, Hkv, D]) for attention."""
+
+    def __init__(self, kv: BatchKV, n: int):
+        self.kv, self.n = kv, n
+        head, half = 2 * kv.d, 2 * kv.hkv * kv.d
+        shape, strides = (n, kv.stride, kv.hkv, kv.d), (kv.slot_bytes, kv.row_bytes, head, 2)
+        self._k4 = [kv.ops.view_strides(kv.va + layer * 2 * half, shape, np.uint16, strides)
+                    for layer in range(kv.layers)]
+        self._v4 = [kv.ops.view_strides(kv.va + layer * 2 * half + half, shape, np.uint16, strides)
+                    for layer in range(kv.layers)]
+
+    def k(self, layer: int):
+        return self.kv.k(layer)
+
+    def v(self, layer: int):
+        return self.kv.v(layer)
+
+    def k4(self, layer: int):
+        return self._k4[layer]
+
+    def v4(self, layer: int):
+        return self._v4[layer]

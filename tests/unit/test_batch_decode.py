@@ -1,0 +1,115 @@
+"""Many sequences per decode step (``load_model(..., max_batch=B)``, ``generate([...])``) on the host backend: each
+sequence of a batch gets the tokens (and logits) it gets alone, resident and streamed, bf16 and int4, prompts of
+different lengths finishing at different steps, more prompts than slots (joining as slots free); KV pages are
+mapped per sequence and unmapped when it leaves."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hf_oracle import build_reference
+from test_oracle import COMMON, G
+
+import vmmstream
+from vmmstream.driver.host import HostDriver
+from vmmstream.memory import DeviceMemory
+
+pytestmark = pytest.mark.unit
+
+MC = 64
+PROMPTS = [[1, 5, 9, 33, 7, 2], [3, 4], list(range(10, 31)), [7] * 9, [100, 17, 5]]
+NEWS = [12, 5, 9, 12, 7]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("batch")
+    build_reference("llama", 0, out, COMMON, [1, 2], 1)
+    return out
+
+
+def _budgets(path, batch):
+    from vmmstream.loading import plan_walked
+    from vmmstream.model import open_checkpoint
+    ck = open_checkpoint(path)
+    full = plan_walked(ck.config, ck.tensors, 1 << 40, backend="host", granularity=G, max_context=MC, batch=batch)
+    return full.floor + full.weight_bytes, full.floor + full.weight_bytes // 2
+
+
+def _load(path, budget, **kw):
+    mem = DeviceMemory(HostDriver(granularity=G, total_bytes=1 << 30), budget)
+    return mem, vmmstream.load_model(path, memory=mem, max_context=MC, **kw)
+
+
+@pytest.mark.parametrize("quantize", [None, "int4"])
+@pytest.mark.parametrize("where", ["resident", "streamed"])
+def test_each_sequence_of_a_batch_gets_what_it_gets_alone(ckpt, where, quantize):
+    resident, half = _budgets(ckpt, 3)
+    budget = resident if where == "resident" else half
+    mem, m = _load(ckpt, budget, max_batch=3, quantize=quantize)
+    try:
+        assert m.plan.strategy == where and m.plan.batch == 3
+        alone = [m.generate(p, k, return_logits=True, eos_token_id=[]) for p, k in zip(PROMPTS, NEWS)]
+        kv0 = m.placement.batch_kv.committed()
+        together = [m.generate(PROMPTS, NEWS[i], return_logits=True, eos_token_id=[]) for i in (0,)][0]
+        # five prompts, three slots: two join as the first ones finish; every prompt its own max_new_tokens
+        mixed = m.generate(PROMPTS, 12, eos_token_id=[])
+        assert m.placement.batch_kv.committed() <= kv0       # every sequence's pages unmapped when it left
+    finally:
+        m.close()
+        mem.close()
+    for (tokens, logits), (want, want_logits) in zip(together, alone):
+        k = min(len(want), NEWS[0])
+        assert tokens[:k] == want[:k]
+        scale = np.max(np.abs(want_logits[:k]))
+        assert np.max(np.abs(logits[:k] - want_logits[:k])) <= 1e-3 * scale
+    for got, (want, _), k in zip(mixed, alone, NEWS):
+        assert got[:k] == want
+
+
+def test_sequences_stop_at_their_own_stop_ids_and_the_batch_goes_on(ckpt):
+    resident, _ = _budgets(ckpt, 4)
+    mem, m = _load(ckpt, resident, max_batch=4)
+    try:
+        alone = [m.generate(p, 16, eos_token_id=[]) for p in PROMPTS[:4]]
+        stop = alone[1][2]                                    # the third new token of prompt 1
+        together = m.generate(PROMPTS[:4], 16, eos_token_id=[stop])
+    finally:
+        m.close()
+        mem.close()
+    for got, want in zip(together, alone):
+        cut = next((i for i, t in enumerate(want) if t == stop), None)
+        assert got == (want if cut is None else want[:cut + 1])
+    assert len(together[1]) == 3
+
+
+def test_a_batch_plan_holds_a_kv_range_per_sequence(ckpt):
+    from vmmstream.loading import plan_walked
+    from vmmstream.model import open_checkpoint
+    from vmmstream.planning import floor
+    ck = open_checkpoint(ckpt)
+    one = plan_walked(ck.config, ck.tensors, 1 << 40, backend="host", granularity=G, max_context=MC)
+    four = plan_walked(ck.config, ck.tensors, 1 << 40, backend="host", granularity=G, max_context=MC, batch=4)
+    row = 2 * ck.config.num_hidden_layers * ck.config.num_key_value_heads * ck.config.head_dim * 2
+    stride = floor.slot_stride(MC, row, G)
+    assert stride >= MC and stride * row % G == 0
+    assert four.kv_bytes == 4 * stride * row >= 4 * one.kv_bytes - 4 * G
+
+
+def test_a_list_of_prompts_needs_a_batch_model_and_greedy(ckpt):
+    resident, _ = _budgets(ckpt, 1)
+    mem, m = _load(ckpt, resident)
+    try:
+        with pytest.raises(TypeError, match="max_batch > 1"):
+            m.generate(PROMPTS[:2], 4)
+        assert m.generate(PROMPTS[0], 3, eos_token_id=[])          # one prompt of ids is not a list of prompts
+    finally:
+        m.close()
+        mem.close()
+    mem, m = _load(ckpt, resident * 2, max_batch=2)
+    try:
+        with pytest.raises(ValueError, match="temperature must be 0"):
+            m.generate(PROMPTS[:2], 4, temperature=0.7)
+    finally:
+        m.close()
+        mem.close()
