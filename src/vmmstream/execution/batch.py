@@ -85,6 +85,8 @@ class BatchDecoder:
             self.slots[s] = None
             kv.release(s)
             raise
+        if seq.done:                         # its first token ended it: it leaves at once
+            self.finish(seq)
         return seq
 
     def step(self) -> list[tuple[Sequence, int]]:
