@@ -294,3 +294,22 @@ def test_a_gguf_type_the_reader_cannot_decode_is_refused_at_open(tmp_path):
     w.close()
     with pytest.raises(CheckpointError, match="Q8_1, which the gguf package cannot decode"):
         open_checkpoint(path, validate=False)
+
+
+@pytest.mark.parametrize("bad,match", [({"merges": ["a b", "nospace"]}, "merge 'nospace'"),
+                                       ({"bos": 1.5}, "bos_token_id is 1.5")])
+def test_malformed_tokenizer_metadata_is_a_checkpoint_error(tmp_path, bad, match):
+    from vmmstream.model import CheckpointError
+    from vmmstream.model.companions import load_tokenizer
+
+    def add(w):
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list(["a", "b", "ab"])
+        w.add_token_types([1, 1, 1])
+        w.add_token_merges(bad.get("merges", ["a b"]))
+        w.add_uint32("tokenizer.ggml.bos_token_id", 0) if "bos" not in bad else \
+            w.add_float32("tokenizer.ggml.bos_token_id", bad["bos"])
+    path = tmp_path / "bad.gguf"
+    write_gguf("llama", path, tokenizer=add)
+    with pytest.raises(CheckpointError, match=match):
+        load_tokenizer(path)

@@ -159,6 +159,8 @@ def config_dict(g: GGUFFile) -> dict:
     def key(k, default=None):
         v = g.get(f"{arch}.{k}", default)
         if isinstance(v, list):
+            if not v or not all(isinstance(x, (int, float)) for x in v):
+                raise CheckpointError(f"{g.path}: metadata {arch}.{k} is {v!r:.80}, not a number per layer")
             if len(set(v)) != 1:
                 raise UnsupportedModelError(f"{g.path}: {arch}.{k} differs between layers ({v[:8]}...); layers of "
                                             "one shape are supported")

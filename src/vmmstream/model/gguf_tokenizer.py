@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import warnings
 
+from .checkpoint import CheckpointError
+
 # split patterns of the byte-level families whose pre-tokenizer is not GPT-2's (by ``tokenizer.ggml.pre``)
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
            r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -69,7 +71,11 @@ def build_tokenizer(g):
         return t if set(t) <= chars else "".join(alphabet[b] for b in t.encode("utf-8"))
 
     vocab = {spelled(t): i for i, t in enumerate(tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in g.get("tokenizer.ggml.merges") or []]
+    raw = list(g.get("tokenizer.ggml.merges") or [])
+    bad = next((m for m in raw if not isinstance(m, str) or m.count(" ") != 1), None)
+    if bad is not None:
+        raise CheckpointError(f"{g.path}: tokenizer merge {bad!r:.60} is not two tokens joined by one space")
+    merges = [tuple(m.split(" ", 1)) for m in raw]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix="",
                                fuse_unk=False))
     split = SPLITS.get(g.get("tokenizer.ggml.pre"))
@@ -89,7 +95,9 @@ def build_tokenizer(g):
     if user:
         tok.add_tokens(user)
     bos = g.get("tokenizer.ggml.bos_token_id")
-    if g.get("tokenizer.ggml.add_bos_token") and bos is not None and bos < len(tokens):
+    if bos is not None and (isinstance(bos, bool) or not isinstance(bos, int)):
+        raise CheckpointError(f"{g.path}: tokenizer.ggml.bos_token_id is {bos!r:.40}, not a token id")
+    if g.get("tokenizer.ggml.add_bos_token") and bos is not None and 0 <= bos < len(tokens):
         tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A",
                                                            pair=f"{tokens[bos]} $A {tokens[bos]} $B",
                                                            special_tokens=[(tokens[bos], bos)])

@@ -10,7 +10,9 @@ What ``config.json``'s ``quantization_config`` must say: ``quant_method`` gptq o
 128; GPTQ without act-order (``desc_act`` false), in the ``gptq`` or ``gptq_v2`` checkpoint format; AWQ in its
 GEMM packing (``version: gemm``) with zero points. Anything else is a ``PrequantizedFormatError`` naming it,
 before any weight byte is read; so is a checkpoint that leaves some layer linear weights unquantized (checked by
-``load_model``, which knows which weights are linear).
+``load_model``, which knows which weights are linear). A ``g_idx`` that is not the trivial ``k // 128`` (act-order
+saved with ``desc_act`` false) is found when that layer is read, during the load: refused then, naming the layer,
+and everything the load took is released.
 """
 
 from __future__ import annotations
