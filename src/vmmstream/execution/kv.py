@@ -19,7 +19,49 @@ from ..interrupts import uninterruptible
 MAX_CHUNKS = 8
 
 
-class KVCache:
+def layer_views(ops, base: int, layers: int, hkv: int, d: int, lead: tuple, strides: tuple) -> tuple[list, list]:
+    """K and V of every layer of a position-major cache at ``base`` (a position's row holds, per layer, K then V,
+    each [Hkv, D] bf16): views of shape ``lead + (Hkv, D)`` whose leading axes step by ``strides`` bytes."""
+    half = 2 * hkv * d                                # bytes of one layer's K (or V) at one position
+    shape, st = tuple(lead) + (hkv, d), tuple(strides) + (2 * d, 2)
+    ks = [ops.view_strides(base + layer * 2 * half, shape, np.uint16, st) for layer in range(layers)]
+    vs = [ops.view_strides(base + layer * 2 * half + half, shape, np.uint16, st) for layer in range(layers)]
+    return ks, vs
+
+
+class LayerViews:
+    """``k``/``v`` ([S, Hkv, D]: prefill attention, the append kernel) and ``k4``/``v4`` ([B, S, Hkv, D]: decode
+    attention) of each layer, from the lists ``_k``, ``_v``, ``_k4``, ``_v4``."""
+
+    def k(self, layer: int):
+        return self._k[layer]
+
+    def v(self, layer: int):
+        return self._v[layer]
+
+    def k4(self, layer: int):
+        return self._k4[layer]
+
+    def v4(self, layer: int):
+        return self._v4[layer]
+
+
+def release_blocks(mem, blocks, arena_name) -> None:
+    """Free ``blocks`` (last first), then the arena once nothing in it is used; every release is tried, a
+    failure or a Ctrl-C raised once all were."""
+    attempt = Attempts()
+    for b in reversed(blocks):
+        attempt(mem.free, b)
+    attempt(mem.synchronize)
+    arena = mem.arenas.get(arena_name) if arena_name else None
+    if arena is not None and not attempt.errors and not arena._used:   # else its owner's sweep closes it
+        attempt(arena.close)
+        if not attempt.errors:                     # forgotten only once its range is gone
+            del mem.arenas[arena_name]
+    attempt.raise_first()
+
+
+class KVCache(LayerViews):
     def __init__(self, mem, ops, config, plan, holder: str):
         self.mem, self.ops, self.holder = mem, ops, holder
         self.layers, self.hkv, self.d = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
@@ -61,34 +103,12 @@ class KVCache:
         # Every layer's K and V views, made once from their addresses (never sliced per call): [S_max, Hkv, D]
         # for prefill attention and the append kernel, [1, S_max, Hkv, D] for decode attention.
         base, s, row = self.blocks[0].va, self.max_context, self.row_bytes
-        head, half = 2 * self.d, 2 * self.hkv * self.d        # bytes of one head's row, of one layer's K (or V)
-        rows = (s, self.hkv, self.d), (row, head, 2)
-        batch = (1, s, self.hkv, self.d), (s * row, row, head, 2)
-        self._k, self._v, self._k4, self._v4 = [], [], [], []
-        for layer in range(self.layers):
-            k, v = base + layer * 2 * half, base + layer * 2 * half + half
-            self._k.append(self.ops.view_strides(k, rows[0], np.uint16, rows[1]))
-            self._v.append(self.ops.view_strides(v, rows[0], np.uint16, rows[1]))
-            self._k4.append(self.ops.view_strides(k, batch[0], np.uint16, batch[1]))
-            self._v4.append(self.ops.view_strides(v, batch[0], np.uint16, batch[1]))
+        self._k, self._v = layer_views(self.ops, base, self.layers, self.hkv, self.d, (s,), (row,))
+        self._k4, self._v4 = layer_views(self.ops, base, self.layers, self.hkv, self.d, (1, s), (s * row, row))
 
     @property
     def va(self) -> int:
         return self.blocks[0].va
-
-    def k(self, layer: int):
-        """[S_max, Hkv, D] (prefill attention, the append kernel)."""
-        return self._k[layer]
-
-    def v(self, layer: int):
-        return self._v[layer]
-
-    def k4(self, layer: int):
-        """[1, S_max, Hkv, D] (decode attention takes a batch axis)."""
-        return self._k4[layer]
-
-    def v4(self, layer: int):
-        return self._v4[layer]
 
     @property
     def committed(self) -> int:
@@ -119,13 +139,4 @@ class KVCache:
         self.closed = True
         if self.mem.closed:
             return
-        attempt = Attempts()       # every release is tried, a failure or a Ctrl-C raised once all were
-        for b in reversed(self.blocks):
-            attempt(self.mem.free, b)
-        attempt(self.mem.synchronize)
-        arena = self.mem.arenas.get(self.arena_name) if self.arena_name else None
-        if arena is not None and not attempt.errors and not arena._used:   # else its owner's sweep closes it
-            attempt(arena.close)
-            if not attempt.errors:                     # forgotten only once its range is gone
-                del self.mem.arenas[self.arena_name]
-        attempt.raise_first()
+        release_blocks(self.mem, self.blocks, self.arena_name)

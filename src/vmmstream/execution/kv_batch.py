@@ -20,16 +20,15 @@ Owner: ``BatchKV`` owns its blocks and arena; ``close()`` releases them and is i
 
 from __future__ import annotations
 
-import numpy as np
-
-from ..errors import Attempts, VmmstreamError
+from ..errors import VmmstreamError
 from ..interrupts import uninterruptible
 from ..planning.floor import slot_stride
+from .kv import LayerViews, layer_views, release_blocks
 
 MAX_CHUNKS = 8
 
 
-class BatchKV:
+class BatchKV(LayerViews):
     def __init__(self, mem, ops, config, max_context: int, slots: int, holder: str):
         if mem.legacy:
             raise VmmstreamError("batched decode maps KV pages per sequence: not with the legacy allocator")
@@ -66,32 +65,15 @@ class BatchKV:
         if any(bl[0].va != base + s * self.slot_bytes for s, bl in enumerate(self.blocks)):
             raise VmmstreamError("KV slot ranges are not contiguous")   # pragma: no cover - a fresh arena
         self.va = base
-        head, half, row, st = 2 * self.d, 2 * self.hkv * self.d, self.row_bytes, self.slot_bytes
-        flat = (self.slots * self.stride, self.hkv, self.d), (row, head, 2)
-        batch = (self.slots, self.stride, self.hkv, self.d), (st, row, head, 2)
-        self._k, self._v, self._k4, self._v4 = [], [], [], []
-        for layer in range(self.layers):
-            k, v = base + layer * 2 * half, base + layer * 2 * half + half
-            self._k.append(self.ops.view_strides(k, flat[0], np.uint16, flat[1]))
-            self._v.append(self.ops.view_strides(v, flat[0], np.uint16, flat[1]))
-            self._k4.append(self.ops.view_strides(k, batch[0], np.uint16, batch[1]))
-            self._v4.append(self.ops.view_strides(v, batch[0], np.uint16, batch[1]))
+        row, st = self.row_bytes, self.slot_bytes
+        self._k, self._v = layer_views(self.ops, base, self.layers, self.hkv, self.d, (self.slots * self.stride,),
+                                       (row,))
+        self._k4, self._v4 = layer_views(self.ops, base, self.layers, self.hkv, self.d, (self.slots, self.stride),
+                                         (st, row))
         self._slot_views: dict = {}
 
-    # -- views (made once, never sliced per call) --
-    def k(self, layer: int):
-        """[slots · stride, Hkv, D]: every slot's rows, for the append kernel (row = slot · stride + position)."""
-        return self._k[layer]
-
-    def v(self, layer: int):
-        return self._v[layer]
-
-    def k4(self, layer: int):
-        """[slots, stride, Hkv, D] for decode attention."""
-        return self._k4[layer]
-
-    def v4(self, layer: int):
-        return self._v4[layer]
+    # -- views (made once, never sliced per call): k / v [slots · stride, Hkv, D], every slot's rows for the
+    #    append kernel (row = slot · stride + position); k4 / v4 [slots, stride, Hkv, D] (LayerViews) --
 
     def slot(self, s: int) -> SlotKV:
         """Slot ``s`` seen as a one-sequence cache (``k(layer)``: [stride, Hkv, D]) for its prefill."""
@@ -148,48 +130,19 @@ class BatchKV:
         self.closed = True
         if self.mem.closed:
             return
-        attempt = Attempts()
-        for bl in reversed(self.blocks):
-            for b in reversed(bl):
-                attempt(self.mem.free, b)
-        attempt(self.mem.synchronize)
-        arena = self.mem.arenas.get(self.arena_name)
-        if arena is not None and not attempt.errors and not arena._used:
-            attempt(arena.close)
-            if not attempt.errors:
-                del self.mem.arenas[self.arena_name]
-        attempt.raise_first()
+        release_blocks(self.mem, [b for bl in self.blocks for b in bl], self.arena_name)
 
 
-class SlotKV:
+class SlotKV(LayerViews):
     """One slot of a ``BatchKV`` with the interface of a one-sequence cache (``execution/kv.py``): ``k``/``v``
     ([stride, Hkv, D]) and ``k4``/``v4`` ([1, stride, Hkv, D]) per layer, ``ensure``, ``committed``, ``grows``."""
 
     def __init__(self, kv: BatchKV, s: int):
         self.kv, self.s = kv, s
-        base = kv.va + s * kv.slot_bytes
-        head, half = 2 * kv.d, 2 * kv.hkv * kv.d
-        shape, strides = (kv.stride, kv.hkv, kv.d), (kv.row_bytes, head, 2)
-        self._k, self._v, self._k4, self._v4 = [], [], [], []
-        for layer in range(kv.layers):
-            k, v = base + layer * 2 * half, base + layer * 2 * half + half
-            self._k.append(kv.ops.view_strides(k, shape, np.uint16, strides))
-            self._v.append(kv.ops.view_strides(v, shape, np.uint16, strides))
-            self._k4.append(kv.ops.view_strides(k, (1,) + shape, np.uint16, (kv.slot_bytes,) + strides))
-            self._v4.append(kv.ops.view_strides(v, (1,) + shape, np.uint16, (kv.slot_bytes,) + strides))
+        base, row = kv.va + s * kv.slot_bytes, kv.row_bytes
+        self._k, self._v = layer_views(kv.ops, base, kv.layers, kv.hkv, kv.d, (kv.stride,), (row,))
+        self._k4, self._v4 = layer_views(kv.ops, base, kv.layers, kv.hkv, kv.d, (1, kv.stride), (kv.slot_bytes, row))
         self.grows = 0
-
-    def k(self, layer: int):
-        return self._k[layer]
-
-    def v(self, layer: int):
-        return self._v[layer]
-
-    def k4(self, layer: int):
-        return self._k4[layer]
-
-    def v4(self, layer: int):
-        return self._v4[layer]
 
     @property
     def committed(self) -> int:
@@ -201,27 +154,12 @@ class SlotKV:
         return n
 
 
-class BatchView:
+class BatchView(LayerViews):
     """The first ``n`` slots of a ``BatchKV`` for one decode step of ``n`` sequences: ``k``/``v`` the flat cache
     (the append kernel's rows), ``k4``/``v4`` ([n, stride, Hkv, D]) for attention."""
 
     def __init__(self, kv: BatchKV, n: int):
         self.kv, self.n = kv, n
-        head, half = 2 * kv.d, 2 * kv.hkv * kv.d
-        shape, strides = (n, kv.stride, kv.hkv, kv.d), (kv.slot_bytes, kv.row_bytes, head, 2)
-        self._k4 = [kv.ops.view_strides(kv.va + layer * 2 * half, shape, np.uint16, strides)
-                    for layer in range(kv.layers)]
-        self._v4 = [kv.ops.view_strides(kv.va + layer * 2 * half + half, shape, np.uint16, strides)
-                    for layer in range(kv.layers)]
-
-    def k(self, layer: int):
-        return self.kv.k(layer)
-
-    def v(self, layer: int):
-        return self.kv.v(layer)
-
-    def k4(self, layer: int):
-        return self._k4[layer]
-
-    def v4(self, layer: int):
-        return self._v4[layer]
+        self._k, self._v = kv._k, kv._v
+        self._k4, self._v4 = layer_views(kv.ops, kv.va, kv.layers, kv.hkv, kv.d, (n, kv.stride),
+                                         (kv.slot_bytes, kv.row_bytes))

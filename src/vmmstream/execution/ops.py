@@ -38,14 +38,7 @@ class HostOps:
         from vmmstream.kernels.attention import prefill as attention_prefill
         from vmmstream.kernels.base.dtypes import f32_to_bf16
         from vmmstream.kernels.matmul.dense import gemm, gemv
-        from vmmstream.kernels.ops import (
-            elementwise,
-            embedding,
-            norm,
-            rope,
-            sampling,
-            scalars,
-        )
+        from vmmstream.kernels.ops import elementwise, embedding, norm, rope, sampling, scalars
         self.driver = driver
         self.k = dict(attention_decode=attention_decode, attention_prefill=attention_prefill,
                       elementwise=elementwise, embedding=embedding, gemm=gemm, gemv=gemv, norm=norm, rope=rope,
@@ -292,14 +285,7 @@ class CudaOps:
         from vmmstream.kernels.attention import decode as attention_decode
         from vmmstream.kernels.attention import prefill as attention_prefill
         from vmmstream.kernels.matmul.dense import gemm, gemv
-        from vmmstream.kernels.ops import (
-            elementwise,
-            embedding,
-            norm,
-            rope,
-            sampling,
-            scalars,
-        )
+        from vmmstream.kernels.ops import elementwise, embedding, norm, rope, sampling, scalars
         self.cuda = cuda
         self.driver = driver
         self.k = dict(attention_decode=attention_decode, attention_prefill=attention_prefill,
