@@ -113,3 +113,22 @@ def test_a_list_of_prompts_needs_a_batch_model_and_greedy(ckpt):
     finally:
         m.close()
         mem.close()
+
+
+def test_a_batch_step_is_captured_once_per_size_and_replayed(ckpt):
+    """The first step of n sequences runs eagerly, the next ones replay its captured graph (streamed weights
+    included): the tokens stay those of each prompt alone."""
+    _, half = _budgets(ckpt, 3)
+    mem, m = _load(ckpt, half, max_batch=3)
+    try:
+        alone = [m.generate(p, 10, eos_token_id=[]) for p in PROMPTS[:3]]
+        c0 = dict(m.engine.counters)
+        together = m.generate(PROMPTS[:3], 10, eos_token_id=[])
+        again = m.generate(PROMPTS[:3], 10, eos_token_id=[])
+        c = m.engine.counters
+        assert c["batch_graph_captures"] - c0["batch_graph_captures"] == 1    # n = 3 throughout
+        assert c["batch_graph_replays"] - c0["batch_graph_replays"] == 2 * 9 - 1     # the first step eager
+    finally:
+        m.close()
+        mem.close()
+    assert together == alone and again == alone

@@ -12,7 +12,8 @@ every token it may produce, so a step never needs more — and unmapped when it 
 budget cannot hold raises ``CapacityError`` before any work for it. The decode state (last token, position,
 length and KV row of each slot) lives on the host and is uploaded before each step; the step runs the first
 ``n`` slots, ``n`` one past the highest slot in use (a free slot inside has length 0: attention reads nothing and
-its K / V row is none). Greedy only, one eager step at a time (each ends with a read of the new tokens).
+its K / V row is none). Greedy only. A step of ``n`` slots runs eagerly the first time, then as a captured graph
+(one per ``n``, kept by the engine); each step ends with a read of the new tokens.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ class BatchDecoder:
         h[:] = state.reshape(-1)
         for i, name in enumerate(("inp", "positions", "lens", "rows")):
             d.memcpy_htod_async(e.acts.addr(name), h.ctypes.data + 4 * n * i, 4 * n, e.S)
-        e._eager(lambda: e.step.decode_batch(n, kv.view(n)))
+        self._run_step(n)
         nxt = e._host("tokens", np.int32, n)
         d.memcpy_dtoh_async(nxt.ctypes.data, e.acts.addr("next"), 4 * n, e.S)
         logits = None
@@ -126,6 +127,37 @@ class BatchDecoder:
             if q.done:
                 self.finish(q)
         return out
+
+    def _run_step(self, n: int) -> None:
+        """The step of the first ``n`` slots: eagerly the first time ``n`` is seen (which compiles and loads every
+        kernel it needs), then captured once and replayed; the state it reads was uploaded before."""
+        e, kv = self.e, self.kv
+        g = e.batch_graphs.get(n)
+        if g is None and n in e.batch_seen:
+            from ..errors import DriverError
+            from .graph import DecodeGraph
+            before = e.streamer.issued
+            try:
+                g = DecodeGraph(e.driver, e.S, lambda: e.step.decode_batch(n, kv.view(n), timed=False),
+                                key=("batch", n))
+            except DriverError:
+                e.streamer.issued = before
+                e.batch_seen.discard(n)           # never captured: this n steps eagerly from now on
+                e.batch_graphs[n] = None
+            else:
+                g.copies = e.streamer.issued - before
+                e.batch_graphs[n] = g
+                e.counters["batch_graph_captures"] += 1
+        if g is None:
+            e._eager(lambda: e.step.decode_batch(n, kv.view(n)))
+            if n not in e.batch_graphs:
+                e.batch_seen.add(n)
+            return
+        g.replay()
+        e.counters["batch_graph_replays"] += 1
+        e.counters["page_ins"] += g.copies
+        if g.copies:
+            e.counters["page_in_bytes"] += e.weights.streamed_payload
 
     def finish(self, seq: Sequence) -> None:
         """``seq`` leaves the batch: its pages are unmapped (after the queued work), its slot is free."""

@@ -58,13 +58,16 @@ class Engine:
         self.config, self.plan = config, plan
         self.graphs: dict = {}
         self.prefill_graphs: dict = {}     # padded prompt length -> its captured prefill
+        self.batch_graphs: dict = {}       # sequences n -> the captured greedy decode step of the first n slots
+        self.batch_seen: set = set()       # n whose step ran eagerly once (every kernel compiled and loaded)
         self._prefill_seen: set = set()
         self._prefill_ungraphable: set = set()
         self._prefill_copies: dict = {}
         self.counters = dict(prefill_tokens=0, decode_tokens=0, generate_calls=0, eager_steps=0,
                              page_ins=0, page_in_bytes=0, h2d_ms=0.0, h2d_timed_bytes=0, decode_ms=0.0,
                              decode_timed_tokens=0, vmm_calls_decode=0, graph_captures=0, graph_replays=0,
-                             prefill_graph_captures=0, prefill_graph_replays=0)
+                             prefill_graph_captures=0, prefill_graph_replays=0, batch_graph_captures=0,
+                             batch_graph_replays=0)
         self.ops = self.S = self.C = None
         self.weights = self.kv = self.acts = self.ws_session = None
         self.streamer = self.step = None
@@ -377,10 +380,12 @@ class Engine:
                 attempt(d.stream_synchronize, s)
         if not mem.closed:
             attempt(self._free_leftover_workspace)
-        for g in list(self.graphs.values()) + list(self.prefill_graphs.values()):
-            attempt(g.close)
+        for g in list(self.graphs.values()) + list(self.prefill_graphs.values()) + list(self.batch_graphs.values()):
+            if g is not None:                  # a batch size that could not be captured is kept as None
+                attempt(g.close)
         self.graphs.clear()
         self.prefill_graphs.clear()
+        self.batch_graphs.clear()
         if self.streamer is not None:
             attempt(self.streamer.close)
         if self._tev is not None:

@@ -309,10 +309,10 @@ class Step:
     def _moe_ws(self, decode: bool):
         return self.ws_session if decode else self._ws_step
 
-    def decode_batch(self, n: int, kv) -> None:
+    def decode_batch(self, n: int, kv, *, timed: bool = True) -> None:
         """One greedy decode step of ``n`` sequences (the decode state's first ``n`` rows; ``kv`` the batch's cache
-        view): next[b] = argmax of sequence b's logits. The owner advances the state."""
-        self.streamer.begin(timed=True)
+        view): next[b] = argmax of sequence b's logits. The owner advances the state. Untimed inside a capture."""
+        self.streamer.begin(timed=timed)
         self.body(n, decode=True, kv=kv)
         self.streamer.end()
         a = self.acts.views(n)
