@@ -28,7 +28,7 @@ from . import chat as chat_mod
 from . import validate
 from .budget import format_bytes
 from .driver import GATE
-from .errors import Attempts, ContextLengthError, VmmstreamError
+from .errors import Attempts, CapacityError, ContextLengthError, VmmstreamError
 from .execution.engine import Engine
 from .generation import (  # noqa: F401  (public: re-exported with vmmstream.Token)
     Token,
@@ -69,7 +69,8 @@ def load_model(path, budget=None, *, max_context: int | None = None, slots: int 
     blocks) stores the layers' linear weights quantized, quantized on the host while loading; the plan,
     the streamed bytes and the bound use the quantized sizes, ``model.quantization`` reports the error.
     ``max_batch``: sequences one decode step may advance together (``generate`` given a list of prompts); the
-    plan holds a KV range of ``max_context`` positions for each, whose pages are mapped as it grows.
+    plan holds a KV range of ``max_context`` positions for each, whose pages are committed for the sequence's
+    prompt and new tokens when it joins and unmapped when it ends.
     Raises ``CheckpointError`` / ``UnsupportedModelError`` (bad checkpoint), ``BudgetError`` (bad budget),
     ``CapacityError`` (no plan fits, or the memory is taken), ``DriverError``; nothing stays allocated.
     """
@@ -107,9 +108,9 @@ def _stored_quantization(checkpoint, quantize):
 
 
 def _is_prompt_list(prompt) -> bool:
-    """A list of prompts (texts, or token-id sequences), not one prompt of token ids."""
+    """A list of prompts (texts, or token-id lists / tuples / 1-D arrays), not one prompt of token ids."""
     return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
-            and all(isinstance(p, str) or (hasattr(p, "__len__") and not isinstance(p, (bytes, dict)))
+            and all(isinstance(p, (str, list, tuple)) or (isinstance(p, np.ndarray) and p.ndim == 1)
                     for p in prompt))
 
 
@@ -152,6 +153,10 @@ class Model:
                 self.plan, tmax = plan_model(checkpoint, memory, max_context=max_context, slots=slots,
                                              h2d_gbps=h2d_gbps, prefill_chunk=prefill_chunk, quantize=quantize,
                                              batch=max_batch)
+                if self.plan.batch > tmax:
+                    raise ValueError(f"max_batch={self.plan.batch}: a decode step of that many sequences uses one "
+                                     f"row of the {tmax}-token prefill buffers each; raise prefill_chunk or "
+                                     "max_context, or lower max_batch")
                 if checkpoint.notes:      # what loading this checkpoint's format does, beside the plan's own notes
                     self.plan = dataclasses.replace(self.plan, notes=self.plan.notes + tuple(checkpoint.notes))
                 admit(memory.authority, self.holder, self.plan)
@@ -229,9 +234,15 @@ class Model:
                 waiting = list(range(len(reqs)))
                 while waiting or dec.active():
                     while waiting and dec.free_slots():            # joins between steps
-                        i = waiting.pop(0)
-                        r = reqs[i]
-                        seqs[i] = dec.add(r.ids, r.max_new_tokens, stop=r.eos, return_logits=r.return_logits)
+                        r = reqs[waiting[0]]
+                        try:
+                            seqs[waiting[0]] = dec.add(r.ids, r.max_new_tokens, stop=r.eos,
+                                                       return_logits=r.return_logits)
+                        except CapacityError:
+                            if not dec.active():                    # nothing will leave to make room
+                                raise
+                            break                                   # joins once a sequence leaves
+                        waiting.pop(0)
                     dec.step()
             finally:
                 dec.close()

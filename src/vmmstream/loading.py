@@ -107,7 +107,7 @@ def plan_walked(config, tensors, budget: int, *, backend: str, prefill_chunk=Non
 
     def plan(walk: int):
         return make_plan(c, tensors, budget, prefill_chunk=walk, **kw,
-                         workspace=workspace_peaks(c, mc, min(walk, mc), backend, kw.get("batch") or 1))
+                         workspace=workspace_peaks(c, mc, min(walk, mc), backend, kw.get("batch") or 1, gran))
     p = plan(int(prefill_chunk or PREFILL_CHUNK))
     if prefill_chunk is None and p.strategy == "streamed":
         # Streamed weights are read once per walk: a longer walk streams a long prompt's weights fewer times
@@ -230,7 +230,8 @@ class Placement:
         attempt.raise_first()
 
 
-def workspace_peaks(config, max_context: int, tmax: int, backend: str = "host", batch: int = 1) -> dict:
+def workspace_peaks(config, max_context: int, tmax: int, backend: str = "host", batch: int = 1,
+                    granularity: int = floor.GRANULARITY) -> dict:
     """Workspace peaks per lifetime class, from each kernel's ``workspace_requirement`` at the planned shapes.
 
     The kernels of one stream run in order, so one buffer of the largest need serves each class (max, not sum).
@@ -241,8 +242,8 @@ def workspace_peaks(config, max_context: int, tmax: int, backend: str = "host", 
     c = config
     session = max(attention_decode.workspace_requirement(b, c.num_attention_heads, c.num_key_value_heads,
                                                          c.head_dim, s).bytes
-                  for b, s in {(1, max_context), (1, kv_stride(c, max_context, batch)),
-                               (batch, kv_stride(c, max_context, batch))})
+                  for b, s in {(1, max_context), (1, kv_stride(c, max_context, batch, granularity)),
+                               (batch, kv_stride(c, max_context, batch, granularity))})
     session = max(session, sampling.workspace_requirement(batch, c.vocab_size, "greedy").bytes,
                   sampling.workspace_requirement(1, c.vocab_size, "sample").bytes)
     if backend == "cuda":               # the dense prefill GEMMs' cuBLASLt route, where it loads

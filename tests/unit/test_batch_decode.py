@@ -132,3 +132,29 @@ def test_a_batch_step_is_captured_once_per_size_and_replayed(ckpt):
         m.close()
         mem.close()
     assert together == alone and again == alone
+
+
+def test_refusals_of_a_batch(ckpt):
+    """A join past max_context is refused before any page is mapped; a max_batch the prefill buffers cannot
+    hold is refused at load."""
+    from vmmstream.errors import ContextLengthError
+    from vmmstream.execution.batch import BatchDecoder
+    resident, _ = _budgets(ckpt, 2)
+    mem, m = _load(ckpt, resident, max_batch=2)
+    try:
+        dec = BatchDecoder(m.engine, m.placement.batch_kv)
+        before = m.placement.batch_kv.committed()
+        with pytest.raises(ContextLengthError):
+            dec.add(list(range(1, 61)), 10)
+        with pytest.raises(ContextLengthError):
+            dec.add([], 3)
+        assert m.placement.batch_kv.committed() == before and dec.free_slots() == 2
+    finally:
+        m.close()
+        mem.close()
+    mem = DeviceMemory(HostDriver(granularity=G, total_bytes=1 << 30), 1 << 28)
+    try:
+        with pytest.raises(ValueError, match="max_batch=20"):
+            vmmstream.load_model(ckpt, memory=mem, max_context=MC, max_batch=20, prefill_chunk=16)
+    finally:
+        mem.close()

@@ -8,8 +8,8 @@
 
 ``add`` may be called between any two steps (continuous batching): a joining sequence's prefill runs eagerly in
 its own slot, with that slot's cache views. A sequence's KV pages are committed when it joins — for its prompt and
-every token it may produce, so a step never needs more — and unmapped when it leaves; a join whose pages the
-budget cannot hold raises ``CapacityError`` before any work for it. The decode state (last token, position,
+every token it may produce, so a step never maps any — and unmapped when it leaves; a join whose pages cannot be
+committed raises (``CapacityError`` from the memory authority) with nothing of it left mapped. The decode state (last token, position,
 length and KV row of each slot) lives on the host and is uploaded before each step; the step runs the first
 ``n`` slots, ``n`` one past the highest slot in use (a free slot inside has length 0: attention reads nothing and
 its K / V row is none). Greedy only. A step of ``n`` slots runs eagerly the first time, then as a captured graph
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import CapacityError, VmmstreamError
+from ..errors import ContextLengthError, VmmstreamError
 
 
 class Sequence:
@@ -60,11 +60,14 @@ class BatchDecoder:
         """Take a free slot, commit its KV pages and prefill ``ids`` (the caller checked them: non-empty, in the
         vocabulary, ``len(ids) + max_new_tokens <= max_context``); the sequence holds its first new token."""
         e, kv = self.e, self.kv
+        n = len(ids)
+        if n < 1 or max_new_tokens < 1 or n + max_new_tokens > kv.max_context:
+            raise ContextLengthError(f"a prompt of {n} tokens + {max_new_tokens} new needs 1 to {kv.max_context} "
+                                     "positions (max_context)", requested=n + max_new_tokens,
+                                     max_context=kv.max_context)
         s = next((i for i, q in enumerate(self.slots) if q is None), None)
         if s is None:
-            raise CapacityError(f"every one of the {kv.slots} sequence slots is taken", requested=0, budget=0,
-                                role="kv_cache", holder=e.holder)
-        n = len(ids)
+            raise VmmstreamError(f"every one of the {kv.slots} sequence slots is taken: add after one leaves")
         try:
             kv.ensure(s, n + max_new_tokens)
         except BaseException:
@@ -103,9 +106,7 @@ class BatchDecoder:
         for q in live:
             p = q.n + len(q.tokens) - 1                     # the position of the token this step reads
             state[:, q.slot] = (q.tokens[-1], p, p + 1, kv.row(q.slot, p))
-        if 4 * n > e.acts.tmax:
-            raise VmmstreamError(f"a batch step of {n} sequences needs a prefill walk of at least {4 * n} tokens")
-        h = e._host("ids", np.int32, 4 * n)
+        h = e._host("state", np.int32, 4 * n)
         h[:] = state.reshape(-1)
         for i, name in enumerate(("inp", "positions", "lens", "rows")):
             d.memcpy_htod_async(e.acts.addr(name), h.ctypes.data + 4 * n * i, 4 * n, e.S)

@@ -53,7 +53,7 @@ class Activations:
             "next": ((), np.int32, "batch"), "inp": ((), np.int32, "batch"),
             "positions": ((), np.int32, "batch"), "lens": ((), np.int32, "batch"),
             "rows": ((), np.int32, "batch"),          # KV cache row of each sequence's new token (batch)
-            "rng": ((4,), np.uint64, False), "out_tokens": ((plan.max_context,), np.int32, "batch"),
+            "rng": ((4,), np.uint64, False), "out_tokens": ((1, plan.max_context), np.int32, False),
             "inv_freq": ((c.rotary_dim // 2,), np.float32, False),     # RoPE table: the rotated pairs only
         }
         if c.is_moe:

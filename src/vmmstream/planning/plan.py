@@ -271,8 +271,8 @@ def make_plan(config, tensors, budget_bytes: int, *, budget_source="explicit", m
 
     notes = _notes(config, max_context)
     if batch > 1:
-        notes += (f"KV cache: {batch} sequences of up to {max_context} positions, {_fmt(kv // batch)} each, its pages "
-                  "mapped as the sequence grows and unmapped when it ends",)
+        notes += (f"KV cache: {batch} sequences of up to {max_context} positions, {_fmt(kv // batch)} each, a "
+                  "sequence's pages committed when it joins and unmapped when it ends",)
     if quantize:
         nq = sum(1 for n in schedule if quantizable(n, infos[n].shape, quantize))
         kept = sum(1 for n in schedule if is_linear(n)) - nq
