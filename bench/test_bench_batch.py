@@ -1,0 +1,74 @@
+"""Many sequences per decode step: aggregate tokens/s at B = 1, 4, 16, 32, resident and at 2 GiB, beside the bound of
+each (streamed bytes per step ÷ pinned H2D: the same bytes serve every sequence of the step).
+
+``generate([B prompts of 16 tokens], 64)`` on a model loaded with ``max_batch=32`` (one plan for every B), by the
+wall clock after a warm-up call of the same B (graphs captured); aggregate = B · 64 ÷ wall. The bars of the batched
+decode: at 2 GiB, B = 16 at least 12× B = 1; resident, at least 6×. ``test_batch_bench_smoke_on_the_host_backend``
+runs the same helper on a tiny preset (CI).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+from test_bench_user import h2d_gbps  # noqa: F401  (the pinned host-to-device fixture, shared)
+
+import vmmstream
+
+GiB = 1 << 30
+MODELS = os.environ.get("VMMSTREAM_BATCH_MODELS", "llama-3b").split(",")
+BATCHES = (1, 4, 16, 32)
+PROMPT, NEW = 16, 64
+
+
+def aggregate(m, b: int, new: int = NEW) -> dict:
+    """B prompts decoded together: aggregate and per-sequence tokens/s by the wall clock (one warm-up call)."""
+    prompts = [np.random.default_rng(i).integers(3, m.config.vocab_size, PROMPT).tolist() for i in range(b)]
+    m.generate(prompts, 4, eos_token_id=[])
+    t0 = time.perf_counter()
+    out = m.generate(prompts, new, eos_token_id=[])
+    wall = time.perf_counter() - t0
+    assert all(len(o) == new for o in out)
+    return {"batch": b, "wall_s": wall, "aggregate_tok_s": b * new / wall, "per_sequence_tok_s": new / wall}
+
+
+@pytest.fixture(scope="module")
+def checkpoints():
+    return {}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("budget", ["resident", "2GiB"])
+@pytest.mark.parametrize("model", MODELS)
+def test_bench_batched_decode(benchmark, checkpoints, tmp_path_factory, h2d_gbps, model, budget):
+    from vmmstream.model import make_checkpoint
+    if model not in checkpoints:
+        checkpoints[model] = make_checkpoint(model, tmp_path_factory.mktemp(model), seed=0)
+    b = "80%" if budget == "resident" else 2 * GiB
+    with vmmstream.load_model(checkpoints[model], budget=b, backend="cuda", max_context=PROMPT + NEW + 8,
+                              max_batch=max(BATCHES), progress=False) as m:
+        rows = [aggregate(m, n) for n in BATCHES]
+        streamed = m.plan.streamed_bytes_per_token
+        strategy = m.plan.strategy
+    base = rows[0]["aggregate_tok_s"]
+    for r in rows:
+        r["speedup_vs_b1"] = r["aggregate_tok_s"] / base
+        if streamed:
+            r["bound_tok_s"] = r["batch"] * h2d_gbps * 1e9 / streamed
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+    benchmark.extra_info.update(model=model, budget=budget, strategy=strategy, streamed_bytes_per_step=streamed,
+                                pinned_h2d_GBps=h2d_gbps, rows=rows)
+    print(f"\n{model} {budget} ({strategy}): {json.dumps(rows)}")
+
+
+def test_batch_bench_smoke_on_the_host_backend(tmp_path):
+    from vmmstream.model import make_checkpoint
+    path = make_checkpoint("tiny", tmp_path / "tiny", seed=0)
+    with vmmstream.load_model(path, budget=1 << 30, backend="host", max_context=64, max_batch=4,
+                              progress=False) as m:
+        one, four = aggregate(m, 1, new=4), aggregate(m, 4, new=4)
+    assert one["batch"] == 1 and four["batch"] == 4 and four["aggregate_tok_s"] > 0
