@@ -201,16 +201,16 @@ class Model:
         completed the stop string.
 
         A list of prompts (each ids or text) on a model loaded with ``max_batch`` > 1: one result per prompt,
-        decoded together, up to ``max_batch`` sequences a step, a prompt joining as a slot frees (greedy; stop
-        ids; no stop strings yet).
+        decoded together, up to ``max_batch`` sequences a step, a prompt joining as a slot frees; each gets what it
+        gets alone with the same arguments (``seed`` may be a list, one per prompt); stop ids, no stop strings yet.
 
         Safe to call from several threads: calls on models that share the device's memory run one at a time.
         """
         if _is_prompt_list(prompt):
-            if temperature != 0 or stop:
-                raise ValueError("a list of prompts decodes greedily with stop ids for now: temperature must be 0 "
-                                 "and stop None")
-            return self._generate_many(prompt, max_new_tokens, eos_token_id, return_logits)
+            if stop:
+                raise ValueError("a list of prompts stops at stop ids (eos_token_id) only for now: stop must be None")
+            return self._generate_many(prompt, max_new_tokens, eos_token_id, return_logits,
+                                       dict(temperature=temperature, top_k=top_k, top_p=top_p), seed)
         req = self._request(prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             seed=seed, eos_token_id=eos_token_id, stop=stop, return_logits=return_logits,
                             want_text=isinstance(prompt, str) or bool(stop))
@@ -218,14 +218,17 @@ class Model:
         result = g.text.text if isinstance(prompt, str) else list(g.run.tokens)
         return (result, g.run.logits_array()) if return_logits else result
 
-    def _generate_many(self, prompts, max_new_tokens, eos_token_id, return_logits):
+    def _generate_many(self, prompts, max_new_tokens, eos_token_id, return_logits, sampling, seed):
         from .execution.batch import BatchDecoder
+        seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
+        if len(seeds) != len(prompts):
+            raise ValueError(f"seed: {len(seeds)} seeds for {len(prompts)} prompts")
         if self.placement.batch_kv is None:
             raise TypeError("prompt: expected token ids (ints) or text; a list of prompts needs a model loaded "
                             "with max_batch > 1 (load_model(..., max_batch=8)), this one decodes one sequence at "
                             "a time")
         reqs = [self._request(p, max_new_tokens, eos_token_id=eos_token_id, return_logits=return_logits,
-                              want_text=isinstance(p, str)) for p in prompts]
+                              want_text=isinstance(p, str), seed=sd, **sampling) for p, sd in zip(prompts, seeds)]
         seqs: list = [None] * len(reqs)
         with self._lock:
             self._take_engine()
@@ -237,7 +240,8 @@ class Model:
                         r = reqs[waiting[0]]
                         try:
                             seqs[waiting[0]] = dec.add(r.ids, r.max_new_tokens, stop=r.eos,
-                                                       return_logits=r.return_logits)
+                                                       return_logits=r.return_logits, sampling=r.sampling,
+                                                       seed=r.seed)
                         except CapacityError:
                             if not dec.active():                    # nothing will leave to make room
                                 raise

@@ -108,8 +108,8 @@ def test_a_list_of_prompts_needs_a_batch_model_and_greedy(ckpt):
         mem.close()
     mem, m = _load(ckpt, resident * 2, max_batch=2)
     try:
-        with pytest.raises(ValueError, match="temperature must be 0"):
-            m.generate(PROMPTS[:2], 4, temperature=0.7)
+        with pytest.raises(ValueError, match="stop must be None"):
+            m.generate(PROMPTS[:2], 4, stop=["x"])
     finally:
         m.close()
         mem.close()
@@ -157,4 +157,26 @@ def test_refusals_of_a_batch(ckpt):
         with pytest.raises(ValueError, match="max_batch=20"):
             vmmstream.load_model(ckpt, memory=mem, max_context=MC, max_batch=20, prefill_chunk=16)
     finally:
+        mem.close()
+
+
+def test_sampled_sequences_of_a_batch_draw_what_they_draw_alone(ckpt):
+    """Each sequence with its own seed, and with top-k / top-p: the same tokens as the same call alone."""
+    _, half = _budgets(ckpt, 3)
+    mem, m = _load(ckpt, half, max_batch=3)
+    try:
+        seeds = [11, 12, 13, 14]
+        alone = [m.generate(p, 10, temperature=0.8, seed=sd, eos_token_id=[]) for p, sd in zip(PROMPTS, seeds)]
+        together = m.generate(PROMPTS[:4], 10, temperature=0.8, seed=seeds, eos_token_id=[])
+        assert together == alone
+        assert len({tuple(t) for t in together}) > 1
+        alone_k = [m.generate(p, 10, temperature=1.2, top_k=20, top_p=0.9, seed=5, eos_token_id=[])
+                   for p in PROMPTS[:2]]
+        assert m.generate(PROMPTS[:2], 10, temperature=1.2, top_k=20, top_p=0.9, seed=5, eos_token_id=[]) == alone_k
+        greedy = m.generate(PROMPTS[:2], 10, temperature=1.0, seed=[1, 2], eos_token_id=[])
+        assert greedy != m.generate(PROMPTS[:2], 10, eos_token_id=[])   # sampling draws, not argmax
+        with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+            m.generate(PROMPTS[:3], 4, temperature=1.0, seed=[1, 2])
+    finally:
+        m.close()
         mem.close()

@@ -12,8 +12,10 @@ every token it may produce, so a step never maps any — and unmapped when it le
 committed raises (``CapacityError`` from the memory authority) with nothing of it left mapped. The decode state (last token, position,
 length and KV row of each slot) lives on the host and is uploaded before each step; the step runs the first
 ``n`` slots, ``n`` one past the highest slot in use (a free slot inside has length 0: attention reads nothing and
-its K / V row is none). Greedy only. A step of ``n`` slots runs eagerly the first time, then as a captured graph
-(one per ``n``, kept by the engine); each step ends with a read of the new tokens.
+its K / V row is none). Each sequence is greedy or samples with its own (temperature, top_k, top_p) and seed,
+drawing what it draws alone. A greedy step of ``n`` slots runs eagerly the first time, then as a captured graph
+(one per ``n``, kept by the engine); a step with a sampled sequence runs eagerly; each step ends with a read of
+the new tokens.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ class Sequence:
     """One prompt's generation in a batch: ``tokens`` (new ids so far), ``logits`` (with ``return_logits``),
     ``done``."""
 
-    def __init__(self, slot: int, n: int, max_new_tokens: int, stop, return_logits: bool):
+    def __init__(self, slot: int, n: int, max_new_tokens: int, stop, return_logits: bool, sampling=None,
+                 seed: int = 0):
         self.slot, self.n, self.m = slot, n, max_new_tokens
+        self.sampling, self.seed = sampling, seed     # (temperature, top_k, top_p) or None: greedy
         self.stop = frozenset(stop)
         self.tokens: list[int] = []
         self.logits: list = [] if return_logits else None
@@ -56,9 +60,12 @@ class BatchDecoder:
     def free_slots(self) -> int:
         return sum(q is None for q in self.slots)
 
-    def add(self, ids, max_new_tokens: int, *, stop=frozenset(), return_logits: bool = False) -> Sequence:
+    def add(self, ids, max_new_tokens: int, *, stop=frozenset(), return_logits: bool = False, sampling=None,
+            seed: int = 0) -> Sequence:
         """Take a free slot, commit its KV pages and prefill ``ids`` (the caller checked them: non-empty, in the
-        vocabulary, ``len(ids) + max_new_tokens <= max_context``); the sequence holds its first new token."""
+        vocabulary, ``len(ids) + max_new_tokens <= max_context``); the sequence holds its first new token.
+        ``sampling`` (temperature, top_k, top_p) with ``seed``: its draws are the ones it makes alone (its own
+        Philox stream, one offset a token)."""
         e, kv = self.e, self.kv
         n = len(ids)
         if n < 1 or max_new_tokens < 1 or n + max_new_tokens > kv.max_context:
@@ -73,14 +80,17 @@ class BatchDecoder:
         except BaseException:
             kv.release(s)                    # the chunks mapped before the refusal
             raise
-        seq = Sequence(s, n, max_new_tokens, stop, return_logits)
+        seq = Sequence(s, n, max_new_tokens, stop, return_logits, sampling, seed)
         self.slots[s] = seq
         try:
             step, own = e.step, e.step.kv
             step.kv = kv.slot(s)
             graph_max, e.PREFILL_GRAPH_MAX = e.PREFILL_GRAPH_MAX, 0     # graphs hold slot 0's views: eager here
             try:
-                e._prefill(ids, None)
+                if sampling is not None:
+                    from vmmstream.kernels.ops.sampling import make_rng_state
+                    e._h2d(e.acts.addr("rng"), "rng", make_rng_state(seed))
+                e._prefill(ids, sampling)
             finally:
                 step.kv, e.PREFILL_GRAPH_MAX = own, graph_max
             first = e._read_tokens(n, 1)[0]
@@ -110,7 +120,17 @@ class BatchDecoder:
         h[:] = state.reshape(-1)
         for i, name in enumerate(("inp", "positions", "lens", "rows")):
             d.memcpy_htod_async(e.acts.addr(name), h.ctypes.data + 4 * n * i, 4 * n, e.S)
-        self._run_step(n)
+        sampled = [q for q in live if q.sampling is not None]
+        if sampled:                 # eager: each sampled row drawn with its own parameters and Philox stream
+            from vmmstream.kernels.ops.sampling import make_rng_state
+            rng = e._host("rngrows", np.uint64, 4 * n)
+            for q in sampled:       # the offset of its k-th new token is k - 1 (the prefill drew the first)
+                rng[4 * q.slot:4 * q.slot + 4] = make_rng_state(q.seed, len(q.tokens))
+            d.memcpy_htod_async(e.acts.addr("rng_rows"), rng.ctypes.data, 32 * n, e.S)
+            draws = [(q.slot, q.sampling) for q in sampled]
+            e._eager(lambda: e.step.decode_batch(n, kv.view(n), draws=draws))
+        else:
+            self._run_step(n)
         nxt = e._host("tokens", np.int32, n)
         d.memcpy_dtoh_async(nxt.ctypes.data, e.acts.addr("next"), 4 * n, e.S)
         logits = None

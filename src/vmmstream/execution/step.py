@@ -53,6 +53,7 @@ class Activations:
             "next": ((), np.int32, "batch"), "inp": ((), np.int32, "batch"),
             "positions": ((), np.int32, "batch"), "lens": ((), np.int32, "batch"),
             "rows": ((), np.int32, "batch"),          # KV cache row of each sequence's new token (batch)
+            "rng_rows": ((4,), np.uint64, "batch"),   # each sequence's Philox state (batch, sampled rows)
             "rng": ((4,), np.uint64, False), "out_tokens": ((1, plan.max_context), np.int32, False),
             "inv_freq": ((c.rotary_dim // 2,), np.float32, False),     # RoPE table: the rotated pairs only
         }
@@ -87,6 +88,17 @@ class Activations:
 
     def addr(self, name: str) -> int:
         return self.va + self.offsets[name]
+
+    def row(self, name: str, b: int):
+        """Row ``b`` of a per-token or per-sequence buffer, with its row shape (a scalar row: shape (1,))."""
+        key = (name, b)
+        v = self._row_views.get(key)
+        if v is None:
+            shape, dt, _ = self.spec[name]
+            n = math.prod(shape)
+            v = self._row_views[key] = self.ops.view(self.addr(name) + b * n * np.dtype(dt).itemsize,
+                                                     shape or (1,), dt)
+        return v
 
     def rows(self, name: str, start: int, count: int, shape: tuple = ()):
         """Rows ``start:start + count`` of a per-token buffer as a ``[count, width]`` view, or ``[count, *shape]``
@@ -309,14 +321,18 @@ class Step:
     def _moe_ws(self, decode: bool):
         return self.ws_session if decode else self._ws_step
 
-    def decode_batch(self, n: int, kv, *, timed: bool = True) -> None:
-        """One greedy decode step of ``n`` sequences (the decode state's first ``n`` rows; ``kv`` the batch's cache
-        view): next[b] = argmax of sequence b's logits. The owner advances the state. Untimed inside a capture."""
+    def decode_batch(self, n: int, kv, *, timed: bool = True, draws=()) -> None:
+        """One decode step of ``n`` sequences (the decode state's first ``n`` rows; ``kv`` the batch's cache view):
+        next[b] = argmax of sequence b's logits, or for each ``(b, (temperature, top_k, top_p))`` of ``draws`` a
+        draw with row b's Philox state (``rng_rows[b]``). The owner advances the state. Untimed in a capture."""
         self.streamer.begin(timed=timed)
         self.body(n, decode=True, kv=kv)
         self.streamer.end()
         a = self.acts.views(n)
         self.ops.argmax(self.S, a.logits, a.next, self.ws_session)
+        for b, (temperature, top_k, top_p) in draws:
+            self.ops.sample(self.S, self.acts.rows("logits", b, 1), self.acts.row("next", b),
+                            self.acts.row("rng_rows", b), temperature, top_k, top_p)
 
     def select(self, sampling) -> None:
         """next = argmax(logits) (``sampling`` None) or a draw with (temperature, top_k, top_p)."""

@@ -91,7 +91,7 @@ def activation_bytes(config, max_context: int, batch: int, granularity: int,
         per_token += 4 * experts + 4 * config.hidden_size + 12 * k + 4 + 4 * k * config.hidden_size
     rows = max(t, batch)           # a batch's decode step uses a prefix of the walk's buffers, one row a sequence
     raw = rows * (per_token + 8) + max(sub, min(batch, t)) * BF16 * 2 * width + batch * config.vocab_size * 4
-    raw += 4 * max_context + 20 * batch + 2 * config.head_dim + _BUFFERS * _ALIGN   # output tokens, decode state
+    raw += 4 * max_context + 52 * batch + 2 * config.head_dim + _BUFFERS * _ALIGN   # output tokens, decode state
     # per sequence, RoPE table, alignment
     if experts:     # expert location table, routing counts, decode counters
         raw += 12 * config.num_hidden_layers * experts + 24 + 4 * 256
