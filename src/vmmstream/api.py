@@ -307,22 +307,29 @@ class Model:
         the id of ``tokenizer_config.json``'s ``eos_token`` (the template's end of turn)."""
         stream = validate.boolean("stream", stream)
         options = _options("chat", options)
-        tok = self._need_tokenizer("chat")
-        ids = tok.encode(self.render_chat(messages), add_special_tokens=False).ids
-        if not ids:
-            raise ValueError("messages: the rendered chat encodes to no tokens")
+        ids, eos = self.chat_prompt(messages)
         if options.get("eos_token_id") is None:
-            eos = list(self.eos_token_ids)
-            end = chat_mod.special_tokens(self._tokenizer_config()).get("eos_token")
-            end_id = tok.token_to_id(end) if end is not None else None
-            if end_id is not None and end_id not in eos and end_id < self.config.vocab_size:
-                eos.append(end_id)
             options["eos_token_id"] = eos
         req = self._request(ids, max_new_tokens, want_text=True, **options)
         if stream:
             return TokenStream(self, req)
         g = self._complete(req)
         return (g.text.text, g.run.logits_array()) if req.return_logits else g.text.text
+
+    def chat_prompt(self, messages) -> tuple[list, list]:
+        """(the token ids ``chat`` generates from, its default stop ids): ``messages`` rendered by the chat template
+        and encoded without added special tokens; the checkpoint's end-of-sequence ids and the template's end of
+        turn (``tokenizer_config.json``'s ``eos_token``)."""
+        tok = self._need_tokenizer("chat")
+        ids = tok.encode(self.render_chat(messages), add_special_tokens=False).ids
+        if not ids:
+            raise ValueError("messages: the rendered chat encodes to no tokens")
+        eos = list(self.eos_token_ids)
+        end = chat_mod.special_tokens(self._tokenizer_config()).get("eos_token")
+        end_id = tok.token_to_id(end) if end is not None else None
+        if end_id is not None and end_id not in eos and end_id < self.config.vocab_size:
+            eos.append(end_id)
+        return ids, eos
 
     def render_chat(self, messages, *, add_generation_prompt: bool = True, **variables) -> str:
         """The prompt text of ``messages`` in the checkpoint's chat template (``tokenizer_config.json``'s
@@ -397,10 +404,15 @@ class Model:
         sampling = None if temperature == 0 else (temperature, top_k, top_p)
         return _Request(ids, m, sampling, seed, eos, stops, return_logits, want_text or bool(stops))
 
-    def _take_engine(self) -> None:
+    def _take_engine(self, batch: bool = False) -> None:
         """With the lock held: make the engine free for a new generation. A stream that holds it is ended when
         it is gone (garbage) or was last advanced by this thread (which cannot wait for itself); one that another
-        thread is consuming is waited for (the lock is let go meanwhile)."""
+        thread is consuming is waited for (the lock is let go meanwhile). A one-sequence generation (``batch``
+        False) runs in the first KV slot, so it is refused while a batch decoder (a server's) holds sequences."""
+        kv = self.placement.batch_kv
+        if not batch and kv is not None and kv.owner is not None and kv.owner.active():
+            raise VmmstreamError("the model is decoding a batch (a server's engine holds it): wait until its "
+                                 "sequences end, or load the model again for one-sequence calls")
         while True:
             self._check_open()
             g = self._active

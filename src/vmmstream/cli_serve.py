@@ -26,7 +26,7 @@ def add_subcommands(subparsers) -> None:
     p.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
     p.add_argument("--model-name", default=None, help="the name clients ask for (default: MODEL's folder name)")
     p.add_argument("--max-batch", type=_positive, default=1,
-                   help="sequences decoded together (default 1; today's engine decodes one at a time)")
+                   help="sequences decoded together (default 1; more: continuous batching of dense models)")
     p.add_argument("--queue", type=_positive, default=64, help="requests that may wait for the engine (default 64)")
     p.add_argument("--queue-timeout", type=_seconds, default=30.0,
                    help="seconds a request waits for the engine before a 429 (default 30)")
@@ -50,15 +50,15 @@ def _serve(args) -> int:
                              f"{INSTALL_HINT}")
     from .api import load_model
     from .budget import format_bytes
+    from .server.batch_engine import BatchSequenceEngine
     from .server.engine import SingleSequenceEngine
     from .server.runner import make_server
-    if args.max_batch > SingleSequenceEngine.max_batch:
-        raise VmmstreamError(f"--max-batch {args.max_batch}: this engine decodes one sequence at a time "
-                             f"(at most {SingleSequenceEngine.max_batch})")
     t0 = time.perf_counter()
+    batch = args.max_batch if args.max_batch > 1 else None
     with load_model(args.model, args.budget, max_context=args.max_context, slots=args.slots,
-                    backend=args.backend, quantize=args.quantize) as model:
-        server = make_server(model, host=args.host, port=args.port, model_name=args.model_name,
+                    backend=args.backend, quantize=args.quantize, max_batch=batch) as model:
+        engine = BatchSequenceEngine(model) if batch else SingleSequenceEngine(model)
+        server = make_server(model, engine=engine, host=args.host, port=args.port, model_name=args.model_name,
                              max_queue=args.queue, queue_timeout=args.queue_timeout, log_level=args.log_level)
         p = model.plan
         print(f"vmmstream serve: {server.model_name} ({p.strategy}, {model.backend}) loaded in "

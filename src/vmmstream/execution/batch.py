@@ -53,6 +53,8 @@ class BatchDecoder:
         self.e, self.kv = engine, kv
         self.slots: list[Sequence | None] = [None] * kv.slots
         self.steps = 0
+        self.peak = 0              # the most sequences one step advanced
+        kv.owner = self
 
     def active(self) -> list[Sequence]:
         return [q for q in self.slots if q is not None and not q.done]
@@ -111,6 +113,7 @@ class BatchDecoder:
             return []
         e, kv, d = self.e, self.kv, self.e.driver
         n = 1 + max(q.slot for q in live)
+        self.peak = max(self.peak, len(live))
         state = np.zeros((4, n), np.int32)                  # inp, positions, lens, rows
         state[3] = -1                                       # a free slot's K / V go nowhere
         for q in live:
@@ -191,3 +194,5 @@ class BatchDecoder:
         for q in list(self.slots):
             if q is not None:
                 self.finish(q)
+        if self.kv.owner is self:
+            self.kv.owner = None

@@ -42,6 +42,7 @@ class BatchKV(LayerViews):
         self.blocks: list[list] = [[] for _ in range(slots)]
         self.backed = [0] * slots
         self.arena_name = f"kvb:{holder}"
+        self.owner = None          # the BatchDecoder using the slots now (one at a time)
         self.closed = False
         try:
             self._build(g)
