@@ -202,59 +202,21 @@ class Model:
 
         A list of prompts (each ids or text) on a model loaded with ``max_batch`` > 1: one result per prompt,
         decoded together, up to ``max_batch`` sequences a step, a prompt joining as a slot frees; each gets what it
-        gets alone with the same arguments (``seed`` may be a list, one per prompt); stop ids, no stop strings yet.
+        gets alone with the same arguments (``seed`` may be a list, one per prompt).
 
         Safe to call from several threads: calls on models that share the device's memory run one at a time.
         """
         if _is_prompt_list(prompt):
-            if stop:
-                raise ValueError("a list of prompts stops at stop ids (eos_token_id) only for now: stop must be None")
-            return self._generate_many(prompt, max_new_tokens, eos_token_id, return_logits,
-                                       dict(temperature=temperature, top_k=top_k, top_p=top_p), seed)
+            from .batching import generate_many
+            return generate_many(self, prompt, max_new_tokens, eos_token_id=eos_token_id, stop=stop,
+                                 return_logits=return_logits, seed=seed,
+                                 sampling=dict(temperature=temperature, top_k=top_k, top_p=top_p))
         req = self._request(prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             seed=seed, eos_token_id=eos_token_id, stop=stop, return_logits=return_logits,
                             want_text=isinstance(prompt, str) or bool(stop))
         g = self._complete(req)
         result = g.text.text if isinstance(prompt, str) else list(g.run.tokens)
         return (result, g.run.logits_array()) if return_logits else result
-
-    def _generate_many(self, prompts, max_new_tokens, eos_token_id, return_logits, sampling, seed):
-        from .execution.batch import BatchDecoder
-        seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
-        if len(seeds) != len(prompts):
-            raise ValueError(f"seed: {len(seeds)} seeds for {len(prompts)} prompts")
-        if self.placement.batch_kv is None:
-            raise TypeError("prompt: expected token ids (ints) or text; a list of prompts needs a model loaded "
-                            "with max_batch > 1 (load_model(..., max_batch=8)), this one decodes one sequence at "
-                            "a time")
-        reqs = [self._request(p, max_new_tokens, eos_token_id=eos_token_id, return_logits=return_logits,
-                              want_text=isinstance(p, str), seed=sd, **sampling) for p, sd in zip(prompts, seeds)]
-        seqs: list = [None] * len(reqs)
-        with self._lock:
-            self._take_engine()
-            dec = BatchDecoder(self.engine, self.placement.batch_kv)
-            try:
-                waiting = list(range(len(reqs)))
-                while waiting or dec.active():
-                    while waiting and dec.free_slots():            # joins between steps
-                        r = reqs[waiting[0]]
-                        try:
-                            seqs[waiting[0]] = dec.add(r.ids, r.max_new_tokens, stop=r.eos,
-                                                       return_logits=r.return_logits, sampling=r.sampling,
-                                                       seed=r.seed)
-                        except CapacityError:
-                            if not dec.active():                    # nothing will leave to make room
-                                raise
-                            break                                   # joins once a sequence leaves
-                        waiting.pop(0)
-                    dec.step()
-            finally:
-                dec.close()
-        out = []
-        for p, q in zip(prompts, seqs):
-            res = self.tokenizer.decode(q.tokens) if isinstance(p, str) else list(q.tokens)
-            out.append((res, np.stack(q.logits)) if return_logits else res)
-        return out
 
     def _complete(self, req: _Request) -> _Generation:
         """Run ``req`` to its end with the lock held throughout: the same ``_Generation`` a stream advances, in

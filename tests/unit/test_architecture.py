@@ -27,7 +27,7 @@ RANKS = {
     "memory": 4, "kernels.moe": 4, "quantization": 4, "prequantized": 4, "kernels": 4,
     "planning": 5, "conversion": 5,
     "execution": 6,
-    "loading": 7, "generation": 7,
+    "loading": 7, "generation": 7, "batching": 7,
     "api": 8, "selfcheck": 8, "numba_plugin": 8, "cli_model": 8, "server": 8,
     "cli_run": 9, "cli_serve": 9,
     "cli": 10,

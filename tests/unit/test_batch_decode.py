@@ -12,6 +12,7 @@ from test_oracle import COMMON, G
 
 import vmmstream
 from vmmstream.driver.host import HostDriver
+from vmmstream.errors import VmmstreamError
 from vmmstream.memory import DeviceMemory
 
 pytestmark = pytest.mark.unit
@@ -108,7 +109,7 @@ def test_a_list_of_prompts_needs_a_batch_model_and_greedy(ckpt):
         mem.close()
     mem, m = _load(ckpt, resident * 2, max_batch=2)
     try:
-        with pytest.raises(ValueError, match="stop must be None"):
+        with pytest.raises(VmmstreamError, match="no tokenizer"):
             m.generate(PROMPTS[:2], 4, stop=["x"])
     finally:
         m.close()

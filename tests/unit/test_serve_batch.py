@@ -113,3 +113,14 @@ def test_sixty_four_streaming_clients_on_the_batched_server(batch_model):
         assert live.engine.inner._dec.peak == 4 and kv.committed() == 0
     finally:
         live.stop()
+
+
+def test_a_list_of_text_prompts_with_stop_strings_ends_each_as_alone(batch_model):
+    m = batch_model
+    prompts = PROMPTS + ["Hello there, friend"]
+    for stop in (["e"], [" the", "a"]):
+        alone = [m.generate(p, 12, temperature=0.0, stop=stop) for p in prompts]
+        alone_ids = [m.generate(m.tokenizer.encode(p).ids, 12, temperature=0.0, stop=stop) for p in prompts]
+        assert m.generate(prompts, 12, temperature=0.0, stop=stop) == alone
+        assert m.generate([m.tokenizer.encode(p).ids for p in prompts], 12, temperature=0.0, stop=stop) == alone_ids
+        assert any(len(a) < 12 for a in alone_ids)          # some stop strings were met
