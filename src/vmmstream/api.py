@@ -22,13 +22,11 @@ import itertools
 import threading
 from pathlib import Path
 
-import numpy as np
-
 from . import chat as chat_mod
 from . import validate
 from .budget import format_bytes
 from .driver import GATE
-from .errors import Attempts, CapacityError, ContextLengthError, VmmstreamError
+from .errors import Attempts, ContextLengthError, VmmstreamError
 from .execution.engine import Engine
 from .generation import (  # noqa: F401  (public: re-exported with vmmstream.Token)
     Token,
@@ -45,8 +43,10 @@ from .loading import (
     plan_model,
     prepare,
     release_leases,
+    stored_quantization,
     workspace_peaks,  # noqa: F401  (re-exported: imported from here by tests and scripts)
 )
+from .batching import is_prompt_list
 from .text import check_stop_strings
 
 _ids = itertools.count(1)
@@ -87,33 +87,6 @@ def load_model(path, budget=None, *, max_context: int | None = None, slots: int 
                  prefill_chunk=prefill_chunk, quantize=quantize, max_batch=max_batch)
 
 
-def _stored_quantization(checkpoint, quantize):
-    """The quantization the plan sizes: a GPTQ / AWQ checkpoint's own (its weights are int4 already), else
-    ``quantize``. Asking a quantized checkpoint for another kind is a ``ValueError``."""
-    if checkpoint.quantization is None:
-        return quantize
-    from .errors import PrequantizedFormatError
-    from .quantization import is_linear
-    plain = [n for n, t in checkpoint.tensors.items() if is_linear(n) and t.source is None]
-    if plain:
-        raise PrequantizedFormatError(
-            f"{checkpoint.path}: a {checkpoint.format} checkpoint with {len(plain)} layer linear weight(s) stored "
-            f"unquantized (e.g. {plain[0]}); checkpoints that mix quantized and unquantized layer weights are not "
-            "supported")
-    if quantize not in (None, checkpoint.quantization):
-        raise ValueError(f"quantize={quantize!r}: {checkpoint.path} is a {checkpoint.format} checkpoint whose "
-                         f"layer weights are {checkpoint.quantization} already; load it without quantize (they "
-                         "are repacked as stored, never re-quantized)")
-    return checkpoint.quantization
-
-
-def _is_prompt_list(prompt) -> bool:
-    """A list of prompts (texts, or token-id lists / tuples / 1-D arrays), not one prompt of token ids."""
-    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
-            and all(isinstance(p, (str, list, tuple)) or (isinstance(p, np.ndarray) and p.ndim == 1)
-                    for p in prompt))
-
-
 class Model:
     """A loaded model: its plan, the placement of its bytes, and the engine that runs on them; ``close()`` (or
     leaving the ``with`` block) releases them. Safe to share between threads: the calls of every model on one
@@ -147,7 +120,7 @@ class Model:
             try:
                 from .model.companions import read_eos_token_ids
                 self.eos_token_ids = read_eos_token_ids(self.path, self.config.vocab_size)
-                quantize = _stored_quantization(checkpoint, quantize)
+                quantize = stored_quantization(checkpoint, quantize)
                 if max_batch and max_batch > 1 and self.config.is_moe:
                     raise ValueError("max_batch > 1: batched decode of a mixture of experts is not supported yet")
                 self.plan, tmax = plan_model(checkpoint, memory, max_context=max_context, slots=slots,
@@ -206,7 +179,7 @@ class Model:
 
         Safe to call from several threads: calls on models that share the device's memory run one at a time.
         """
-        if _is_prompt_list(prompt):
+        if is_prompt_list(prompt):
             from .batching import generate_many
             return generate_many(self, prompt, max_new_tokens, eos_token_id=eos_token_id, stop=stop,
                                  return_logits=return_logits, seed=seed,

@@ -10,6 +10,13 @@ from .errors import CapacityError
 from .text import TokenText
 
 
+def is_prompt_list(prompt) -> bool:
+    """A list of prompts (texts, or token-id lists / tuples / 1-D arrays), not one prompt of token ids."""
+    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
+            and all(isinstance(p, (str, list, tuple)) or (isinstance(p, np.ndarray) and p.ndim == 1)
+                    for p in prompt))
+
+
 def generate_many(model, prompts, max_new_tokens, *, eos_token_id, stop, return_logits, seed, sampling) -> list:
     """One result per prompt (text for a text prompt, else ids; with ``return_logits`` a (result, logits) pair)."""
     from .execution.batch import BatchDecoder

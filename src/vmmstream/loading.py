@@ -282,3 +282,23 @@ def _check_cuda_shapes(c) -> None:
     if c.head_dim not in attention_decode.HEAD_DIMS:
         raise UnsupportedModelError(
             f"head_dim {c.head_dim}: the CUDA decode attention takes a head_dim that is a multiple of 16 up to 256")
+
+
+def stored_quantization(checkpoint, quantize):
+    """The quantization the plan sizes: a GPTQ / AWQ checkpoint's own (its weights are int4 already), else
+    ``quantize``. Asking a quantized checkpoint for another kind is a ``ValueError``."""
+    if checkpoint.quantization is None:
+        return quantize
+    from .errors import PrequantizedFormatError
+    from .quantization import is_linear
+    plain = [n for n, t in checkpoint.tensors.items() if is_linear(n) and t.source is None]
+    if plain:
+        raise PrequantizedFormatError(
+            f"{checkpoint.path}: a {checkpoint.format} checkpoint with {len(plain)} layer linear weight(s) stored "
+            f"unquantized (e.g. {plain[0]}); checkpoints that mix quantized and unquantized layer weights are not "
+            "supported")
+    if quantize not in (None, checkpoint.quantization):
+        raise ValueError(f"quantize={quantize!r}: {checkpoint.path} is a {checkpoint.format} checkpoint whose "
+                         f"layer weights are {checkpoint.quantization} already; load it without quantize (they "
+                         "are repacked as stored, never re-quantized)")
+    return checkpoint.quantization
