@@ -9,6 +9,8 @@ Hq is a multiple of Hkv; query head h reads KV head h // (Hq // Hkv).
 Routes (``choose_route`` picks one, ``route=`` overrides):
 - ``"fused_mma"``: flash-style, tensor cores via ``mma.sync`` (see ``kernels/base/mma.py``), online softmax in
   registers, D in {64, 128}. No workspace (``NONE``).
+- ``"fused_mma_async"``: the same on FlashAttention-2's memory path: ``cp.async`` K/V tiles overlapping the
+  mma work, ``ldmatrix`` fragments, the mask only on diagonal tiles. D in {64, 96, 128}. No workspace.
 - ``"fused"``: the same algorithm on fp32 FMA, K/V tiles through shared memory. D in {64, 128}. No
   workspace. The fallback, and the route the simulator checks the algorithm with.
 - ``"materialized"``: any D. Writes fp32 scores ``[Hq, T, Sk]`` (Sk = start_pos + T) into a declared
@@ -20,16 +22,18 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32, float64, uint32
+from numba import cuda, float32, float64, int64, uint32
 
 from vmmstream.kernels.base import launch as la, mma as mh
 from vmmstream.kernels.base.dtypes import bf16_to_f32, dev_bf16_to_f32, dev_f32_to_bf16
 from vmmstream.kernels.base.workspace import NONE, Lifetime, WorkspaceRequirement, check_view, layout
 
-FUSED, FUSED_MMA, MATERIALIZED = "fused", "fused_mma", "materialized"
-ROUTES = (FUSED_MMA, FUSED, MATERIALIZED)
+FUSED, FUSED_MMA, FUSED_MMA_ASYNC, MATERIALIZED = "fused", "fused_mma", "fused_mma_async", "materialized"
+ROUTES = (FUSED_MMA_ASYNC, FUSED_MMA, FUSED, MATERIALIZED)
 FUSED_HEAD_DIMS = (64, 128)                 # the fp32-FMA fused route
 MMA_HEAD_DIMS = tuple(range(16, 129, 16))   # the tensor-core fused route: Q and O fragments in registers up to 128
+ASYNC_HEAD_DIMS = (64, 96, 128)     # fused_mma_async: multiples of 32 (one ldmatrix.x4 of K covers two k16 steps)
+ASYNC_DEFAULT = False               # choose_route takes fused_mma_async where it applies (set from measurement)
 CAPTURE_SAFE = True   # no allocation, no host sync, fixed grid for fixed shapes (prefill itself runs eagerly)
 NEG_INF = float32(-math.inf)
 LOG2E = 1.4426950408889634
@@ -56,13 +60,15 @@ def reference(q, k, v, *, start_pos=0, scale=None):
 
 def choose_route(T, Hq, Hkv, D, *, start_pos=0):
     """Fused tensor-core route where it applies, else the materialized fallback."""
+    if ASYNC_DEFAULT and D in ASYNC_HEAD_DIMS and Hq % Hkv == 0:
+        return FUSED_MMA_ASYNC
     if D in MMA_HEAD_DIMS and Hq % Hkv == 0:
         return FUSED_MMA
     return MATERIALIZED
 
 
 def _layout(T, Hq, D, start_pos, route):
-    if route in (FUSED, FUSED_MMA):
+    if route in (FUSED, FUSED_MMA, FUSED_MMA_ASYNC):
         return layout()
     if route != MATERIALIZED:
         raise ValueError(f"unknown prefill route {route!r}; expected one of {ROUTES}")
@@ -360,6 +366,156 @@ def _make_mma(D):
     return fused_mma
 
 
+# ----------------------------------------------------------------------------- fused mma.sync, cp.async + ldmatrix
+
+_A_BM, _A_BN = 16 * mh.WARPS, 64
+_wait_all = la.cp_async_waiter(0)
+
+
+def _make_mma_async(D):
+    """The ``fused_mma`` algorithm with the memory path of FlashAttention-2: K and V tiles reach shared memory by
+    ``cp.async`` (V of tile j copied while Q·Kᵀ of tile j runs, K of tile j+1 while P·V of tile j runs), both stored
+    as they are in the cache (no transpose), fragments read with ``ldmatrix`` (x4: K as the "col" B operand of
+    Q·Kᵀ; x4.trans: V as the B operand of P·V), and the causal mask applied only on tiles that cross a warp's
+    diagonal or the last key."""
+    BM, BN, NT = _A_BM, _A_BN, mh.THREADS
+    DW = D // 2
+    KP = DW + 4                    # row stride in words: the 8 rows of an ldmatrix hit 32 distinct banks
+    TW = BN * KP                   # words per tile
+    DG = D // 8                    # 16-byte pieces per row
+    CU = BN * DG // NT             # pieces per thread per tile (D = 64: 4, 96: 6, 128: 8)
+    KQK, NS, KPV, NO = D // 16, BN // 8, BN // 16, D // 8
+    QF, OF, SF = 4 * KQK, 4 * NO, 4 * NS
+    MS0, MS1 = mh.SIM_MMA_SCRATCH
+    RS, LS = mh.SIM_RED_SCRATCH, mh.SIM_LDM_SCRATCH
+    ZERO = uint32(0)
+    A16 = la.SHARED_ALIGN16
+
+    @cuda.jit(device=True, inline="always")
+    def copy_tile(buf, src, k0, kvh, n_keys, tid):
+        """Issue the copies of rows [k0, k0 + BN) of src[:, kvh, :] into buf (zeros past n_keys)."""
+        for u in range(CU):
+            c = tid + NT * u
+            r, dg = c // DG, c % DG
+            if k0 + r < n_keys:
+                la.cp_async16(buf, r * KP + 4 * dg, src, (k0 + r, kvh, 8 * dg))
+            else:
+                la.st4w(buf, r * KP + 4 * dg, ZERO, ZERO, ZERO, ZERO)
+
+    @mh.kernel(NT)
+    def fused_mma_async(q32, k, v, out32, start_pos, n_keys, scale_log2, group):
+        # q32: [T, Hq, D/2] u32, out32: [T, Hq, D/2] u32 (bf16 pairs); k/v: [S, Hkv, D] u16, rows 16-byte aligned
+        ks = cuda.shared.array(TW, uint32, alignment=A16)     # K tile: [key][d pair]
+        vs = cuda.shared.array(TW, uint32, alignment=A16)     # V tile: [key][d pair]
+        mscr = cuda.shared.array((MS0, MS1), float64)
+        rscr = cuda.shared.array(RS, float32)
+        lscr = cuda.shared.array(LS, int64)
+        T = q32.shape[0]
+        h = cuda.blockIdx.y
+        kvh = h // group
+        q0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BM
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        g, t = lane >> 2, lane & 3
+        last = min(start_pos + min(q0 + BM, T), n_keys)
+        copy_tile(ks, k, 0, kvh, n_keys, tid)         # the first K tile lands while Q is read
+        la.cp_async_commit()
+        w0 = q0 + (tid // 32) * 16                    # this warp's first query row
+        r0 = w0 + g                                   # this thread's two query rows: r0 and r0 + 8
+        r1 = r0 + 8
+        qf = cuda.local.array(QF, uint32)
+        for kk in range(KQK):
+            for i in range(4):
+                r = r0 + 8 * (i & 1)
+                qf[4 * kk + i] = q32[r, h, kk * 8 + 4 * (i >> 1) + t] if r < T else uint32(0)
+        o = cuda.local.array(OF, float32)
+        for i in range(OF):
+            o[i] = 0.0
+        s = cuda.local.array(SF, float32)
+        m0, m1 = NEG_INF, NEG_INF
+        l0, l1 = float32(0.0), float32(0.0)
+        qpos0, qpos1 = start_pos + r0, start_pos + r1
+        mi, ri = lane >> 3, lane & 7                  # this lane's ldmatrix row: row ri of matrix mi
+        k_lane = ri * KP + 4 * mi                     # K: matrices = d columns 0-7, 8-15, 16-23, 24-31
+        v_lane = ((mi & 1) * 8 + ri) * KP + 4 * (mi >> 1)   # V: keys 0-7 / 8-15 x dims 0-7 / 8-15
+        clear = min(start_pos + w0 + 1, n_keys)       # keys [0, clear) are visible to every row of this warp
+        for k0 in range(0, last, BN):
+            _wait_all()
+            cuda.syncthreads()                        # K(k0) has landed; every warp is done reading V
+            copy_tile(vs, v, k0, kvh, n_keys, tid)
+            la.cp_async_commit()
+            for nt in range(NS):                      # S = Q K^T
+                c0 = c1 = c2 = c3 = float32(0.0)
+                for j in range(KQK // 2):
+                    b0, b1, b2, b3 = mh.ldmatrix_x4(ks, k_lane + nt * 8 * KP + 16 * j, lscr)
+                    c0, c1, c2, c3 = mh.mma_bf16_16816(
+                        qf[8 * j], qf[8 * j + 1], qf[8 * j + 2], qf[8 * j + 3], b0, b1, c0, c1, c2, c3, mscr)
+                    c0, c1, c2, c3 = mh.mma_bf16_16816(
+                        qf[8 * j + 4], qf[8 * j + 5], qf[8 * j + 6], qf[8 * j + 7], b2, b3, c0, c1, c2, c3, mscr)
+                s[4 * nt] = c0 * scale_log2
+                s[4 * nt + 1] = c1 * scale_log2
+                s[4 * nt + 2] = c2 * scale_log2
+                s[4 * nt + 3] = c3 * scale_log2
+            if k0 + BN > clear:                       # this tile crosses the warp's diagonal or the last key
+                for nt in range(NS):
+                    kpos = k0 + nt * 8 + 2 * t
+                    if kpos > qpos0 or kpos >= n_keys:
+                        s[4 * nt] = NEG_INF
+                    if kpos + 1 > qpos0 or kpos + 1 >= n_keys:
+                        s[4 * nt + 1] = NEG_INF
+                    if kpos > qpos1 or kpos >= n_keys:
+                        s[4 * nt + 2] = NEG_INF
+                    if kpos + 1 > qpos1 or kpos + 1 >= n_keys:
+                        s[4 * nt + 3] = NEG_INF
+            mx0, mx1 = m0, m1
+            for nt in range(NS):
+                mx0 = max(mx0, max(s[4 * nt], s[4 * nt + 1]))
+                mx1 = max(mx1, max(s[4 * nt + 2], s[4 * nt + 3]))
+            mx0 = mh.quad_max(mx0, rscr)              # key 0 is visible to every row: finite after tile 0
+            mx1 = mh.quad_max(mx1, rscr)
+            a0, a1 = math.exp2(m0 - mx0), math.exp2(m1 - mx1)
+            m0, m1 = mx0, mx1
+            l0 *= a0
+            l1 *= a1
+            for nt in range(NS):
+                s[4 * nt] = math.exp2(s[4 * nt] - m0)
+                s[4 * nt + 1] = math.exp2(s[4 * nt + 1] - m0)
+                s[4 * nt + 2] = math.exp2(s[4 * nt + 2] - m1)
+                s[4 * nt + 3] = math.exp2(s[4 * nt + 3] - m1)
+                l0 += s[4 * nt] + s[4 * nt + 1]
+                l1 += s[4 * nt + 2] + s[4 * nt + 3]
+            for nt in range(NO):
+                o[4 * nt] *= a0
+                o[4 * nt + 1] *= a0
+                o[4 * nt + 2] *= a1
+                o[4 * nt + 3] *= a1
+            _wait_all()
+            cuda.syncthreads()                        # V(k0) has landed; every warp is done reading K
+            if k0 + BN < last:
+                copy_tile(ks, k, k0 + BN, kvh, n_keys, tid)
+                la.cp_async_commit()
+            for kk in range(KPV):                     # O += P V
+                pa0 = mh.pack_bf16x2(s[8 * kk], s[8 * kk + 1])
+                pa1 = mh.pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3])
+                pa2 = mh.pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5])
+                pa3 = mh.pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7])
+                for p in range(NO // 2):
+                    b0, b1, b2, b3 = mh.ldmatrix_x4_trans(vs, v_lane + kk * 16 * KP + 8 * p, lscr)
+                    o[8 * p], o[8 * p + 1], o[8 * p + 2], o[8 * p + 3] = mh.mma_bf16_16816(
+                        pa0, pa1, pa2, pa3, b0, b1, o[8 * p], o[8 * p + 1], o[8 * p + 2], o[8 * p + 3], mscr)
+                    o[8 * p + 4], o[8 * p + 5], o[8 * p + 6], o[8 * p + 7] = mh.mma_bf16_16816(
+                        pa0, pa1, pa2, pa3, b2, b3, o[8 * p + 4], o[8 * p + 5], o[8 * p + 6], o[8 * p + 7], mscr)
+        inv0 = float32(1.0) / mh.quad_sum(l0, rscr)
+        inv1 = float32(1.0) / mh.quad_sum(l1, rscr)
+        for nt in range(NO):
+            if r0 < T:
+                out32[r0, h, nt * 4 + t] = mh.pack_bf16x2(o[4 * nt] * inv0, o[4 * nt + 1] * inv0)
+            if r1 < T:
+                out32[r1, h, nt * 4 + t] = mh.pack_bf16x2(o[4 * nt + 2] * inv1, o[4 * nt + 3] * inv1)
+
+    return fused_mma_async
+
+
 # ----------------------------------------------------------------------------- materialized route
 
 _S_TILE, _S_PAD, _R_THREADS = 16, 17, 64
@@ -424,7 +580,7 @@ _KERNELS = {}
 def _kernel(route, D):
     key = (route, D)
     if key not in _KERNELS:
-        _KERNELS[key] = (_make_fused if route == FUSED else _make_mma)(D)
+        _KERNELS[key] = {FUSED: _make_fused, FUSED_MMA: _make_mma, FUSED_MMA_ASYNC: _make_mma_async}[route](D)
     return _KERNELS[key]
 
 
@@ -438,8 +594,8 @@ def launch(q, k, v, out, workspace, *, start_pos=0, scale=None, route=None, stre
     if Hq % Hkv or k.shape[2] != D or v.shape != k.shape or out.shape != q.shape or S < n_keys:
         raise ValueError(f"prefill shapes q{q.shape} k{k.shape} v{v.shape} out{out.shape} start_pos={start_pos}")
     route = route or choose_route(T, Hq, Hkv, D, start_pos=start_pos)
-    dims = FUSED_HEAD_DIMS if route == FUSED else MMA_HEAD_DIMS
-    if route in (FUSED, FUSED_MMA) and D not in dims:
+    dims = {FUSED: FUSED_HEAD_DIMS, FUSED_MMA: MMA_HEAD_DIMS, FUSED_MMA_ASYNC: ASYNC_HEAD_DIMS}.get(route, ())
+    if route != MATERIALIZED and D not in dims:
         raise ValueError(f"route {route!r} takes head_dim in {dims}, got {D}; use {MATERIALIZED!r}")
     lay = _layout(T, Hq, D, start_pos, route)
     check_view(f"attention_prefill[{route}]", 0 if workspace is None else workspace.nbytes, lay.total)
@@ -462,7 +618,7 @@ def launch(q, k, v, out, workspace, *, start_pos=0, scale=None, route=None, stre
         _kernel(FUSED, D)[grid, _F_THREADS, stream](q, k, v, out, start_pos, n_keys, float32(scale), group)
     else:
         grid = ((T + _M_BM - 1) // _M_BM, Hq)
-        _kernel(FUSED_MMA, D)[grid, mh.THREADS, stream](
+        _kernel(route, D)[grid, mh.THREADS, stream](
             q.view(np.uint32), k, v, out.view(np.uint32), start_pos, n_keys, float32(scale * LOG2E), group)
 
 
@@ -475,6 +631,7 @@ _MMA_SIG = f"void({_U32_3D}, {_U16_3D}, {_U16_3D}, {_U32_3D}, int64, int64, floa
 SIGNATURES = (
     [(_make_fused(d).py_func, _FUSED_SIG) for d in FUSED_HEAD_DIMS]
     + [(_make_mma(d).py_func, _MMA_SIG) for d in (64, 128, 96)]
+    + [(_make_mma_async(d).py_func, _MMA_SIG) for d in ASYNC_HEAD_DIMS]
     + [(_scores.py_func, f"void({_U16_3D}, {_U16_3D}, float32[:, :, ::1], int64, float32, int64)"),
        (_softmax_pv.py_func, f"void(float32[:, :, ::1], {_U16_3D}, {_U16_3D}, int64, int64)")]
 )

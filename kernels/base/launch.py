@@ -312,7 +312,7 @@ else:
 
     _V4 = ir.VectorType(ir.IntType(32), 4)
 
-    def _elem_ptr(context, builder, aryty, ary, indty, inds):
+    def elem_ptr(context, builder, aryty, ary, indty, inds):
         indty, indices = normalize_indices(context, builder, indty, inds, aryty, aryty.dtype)
         a = context.make_array(aryty)(context, builder, value=ary)
         return cgutils.get_item_pointer(context, builder, aryty, a, indices, wraparound=False)
@@ -323,7 +323,7 @@ else:
             sig = types.UniTuple(types.uint32, 4)(arr, idx)
 
             def codegen(context, builder, sig, args):
-                p = _elem_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+                p = elem_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
                 v = builder.load(builder.bitcast(p, _V4.as_pointer()), align=16)
                 if invariant:  # lets NVPTX emit ld.global.nc (read-only data cache)
                     v.set_metadata("invariant.load", builder.module.add_metadata([]))
@@ -349,8 +349,8 @@ else:
         sig = types.void(dst, di, src, si)
 
         def codegen(context, builder, sig, args):
-            pd = _elem_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            ps = _elem_ptr(context, builder, sig.args[2], args[2], sig.args[3], args[3])
+            pd = elem_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            ps = elem_ptr(context, builder, sig.args[2], args[2], sig.args[3], args[3])
             i64 = ir.IntType(64)
             asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i64, i64]),
                                "{ .reg .u64 sa; cvta.to.shared.u64 sa, $0; cp.async.cg.shared.global [sa], [$1], 16; }",
@@ -424,7 +424,7 @@ else:
         sig = types.void(arr, idx)
 
         def codegen(context, builder, sig, args):
-            p = _elem_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            p = elem_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             i64 = ir.IntType(64)
             asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i64]), "prefetch.global.L2 [$0];", "l",
                                side_effect=True)
@@ -438,7 +438,7 @@ else:
         sig = types.void(arr, idx, w0, w1, w2, w3)
 
         def codegen(context, builder, sig, args):
-            p = _elem_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            p = elem_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             v = ir.Constant(_V4, ir.Undefined)
             for i in range(4):
                 w = context.cast(builder, args[2 + i], sig.args[2 + i], types.uint32)
@@ -556,7 +556,7 @@ else:
         sig = types.uint32(arr, idx)
 
         def codegen(context, builder, sig, args):
-            p = _elem_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            p = elem_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             v = builder.load(p, align=4)
             v.set_metadata("invariant.load", builder.module.add_metadata([]))
             return v

@@ -464,3 +464,83 @@ else:
     def imma_s8_16832(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scratch):
         return _imma(np.uint32(a0), np.uint32(a1), np.uint32(a2), np.uint32(a3), np.uint32(b0), np.uint32(b1),
                      np.int32(c0), np.int32(c1), np.int32(c2), np.int32(c3))
+
+
+# ----------------------------------------------------------------------------------------- ldmatrix
+# ``ldmatrix_x4(s, i, scratch)`` / ``ldmatrix_x4_trans``: ``ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16``.
+# ``s`` is a 1-D uint32 shared array; lane l supplies word index ``i`` of row (l & 7) of matrix (l >> 3), 8 bf16
+# (16 bytes, 16-byte aligned) each. Lane l = 4g + t receives, in register m:
+#   x4:       words t of row g of matrix m          (elements 2t, 2t+1 of row g: an mma A or "col" B fragment
+#                                                     of a matrix stored with its k index along the row)
+#   x4_trans: elements (row 2t, col g) low, (row 2t+1, col g) high of matrix m (the B fragment of a matrix
+#                                                     stored row-major k x n: V in P @ V)
+# One instruction replaces four 32-bit shared loads. The simulator twin publishes each lane's index through
+# ``scratch`` (``SIM_LDM_SCRATCH`` int64 per thread; 1 on the GPU) between barriers, so every thread of the block
+# calls it together.
+
+if config.ENABLE_CUDASIM:
+    SIM_LDM_SCRATCH = THREADS
+
+    def _ldm(s, i, scratch, trans):
+        a = s._ary if hasattr(s, "_ary") else s
+        tid = cuda.threadIdx.x
+        scratch[tid] = int(i)
+        cuda.syncthreads()
+        w0 = tid & ~31
+        lane = tid & 31
+        g, t = lane >> 2, lane & 3
+        out = []
+        for m in range(4):
+            if trans:
+                half = 16 * (g & 1)
+                lo = (int(a[int(scratch[w0 + 8 * m + 2 * t]) + (g >> 1)]) >> half) & 0xFFFF
+                hi = (int(a[int(scratch[w0 + 8 * m + 2 * t + 1]) + (g >> 1)]) >> half) & 0xFFFF
+                out.append(np.uint32(lo | (hi << 16)))
+            else:
+                out.append(np.uint32(a[int(scratch[w0 + 8 * m + g]) + t]))
+        cuda.syncthreads()          # every lane has read the published indices before the next call writes
+        return out[0], out[1], out[2], out[3]
+
+    @cuda.jit(device=True, inline="always")
+    def ldmatrix_x4(s, i, scratch):
+        return _ldm(s, i, scratch, False)
+
+    @cuda.jit(device=True, inline="always")
+    def ldmatrix_x4_trans(s, i, scratch):
+        return _ldm(s, i, scratch, True)
+
+else:
+    from vmmstream.kernels.base.launch import elem_ptr as _elem_ptr
+
+    SIM_LDM_SCRATCH = 1
+
+    def _ldmatrix_intrinsic(trans):
+        text = ("{ .reg .u64 sa; cvta.to.shared.u64 sa, $4; "
+                f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 {{$0,$1,$2,$3}}, [sa]; }}")
+
+        @intrinsic
+        def impl(typingctx, s, i):
+            sig = types.UniTuple(types.uint32, 4)(s, i)
+
+            def codegen(context, builder, sig, args):
+                i32, i64 = ir.IntType(32), ir.IntType(64)
+                p = _elem_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+                fnty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i64])
+                # side effects: never hoisted across the barriers that publish the tile it reads
+                asm = ir.InlineAsm(fnty, text, "=r,=r,=r,=r,l,~{memory}", side_effect=True)
+                res = builder.call(asm, [builder.ptrtoint(p, i64)])
+                return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, k) for k in range(4)])
+
+            return sig, codegen
+
+        return impl
+
+    _ldm_x4, _ldm_x4_trans = _ldmatrix_intrinsic(False), _ldmatrix_intrinsic(True)
+
+    @cuda.jit(device=True, inline="always")
+    def ldmatrix_x4(s, i, scratch):
+        return _ldm_x4(s, i)
+
+    @cuda.jit(device=True, inline="always")
+    def ldmatrix_x4_trans(s, i, scratch):
+        return _ldm_x4_trans(s, i)

@@ -65,21 +65,21 @@ def prefill_case(stream, T, Hq, Hkv, Dh, start_pos, route, S=None, heads=None, s
 
 # --------------------------------------------------------------------------------------- prefill
 
-@pytest.mark.parametrize("route,tol", [(ap.FUSED_MMA, 1e-2), (ap.FUSED, 2e-3)])
+@pytest.mark.parametrize("route,tol", [(ap.FUSED_MMA_ASYNC, 1e-2), (ap.FUSED_MMA, 1e-2), (ap.FUSED, 2e-3)])
 def test_prefill_fused_real_shape(stream, route, tol):
     assert ap.workspace_requirement(2048, HQ, HKV, D, route=route) == NONE
     got, ref = prefill_case(stream, 2048, HQ, HKV, D, 0, route, heads=HEADS)
     assert_bf16_close(got, ref, tol)
 
 
-@pytest.mark.parametrize("route,tol", [(ap.FUSED_MMA, 1e-2), (ap.FUSED, 2e-3)])
+@pytest.mark.parametrize("route,tol", [(ap.FUSED_MMA_ASYNC, 1e-2), (ap.FUSED_MMA, 1e-2), (ap.FUSED, 2e-3)])
 def test_prefill_chunk_at_offset_into_longer_cache(stream, route, tol):
     # queries at positions [1536, 2048) attend to cache [0, 1536 + i]; the cache holds 4096 rows
     got, ref = prefill_case(stream, 512, HQ, HKV, D, 1536, route, S=4096, heads=HEADS, seed=1)
     assert_bf16_close(got, ref, tol)
 
 
-@pytest.mark.parametrize("route,tol", [(ap.FUSED_MMA, 1e-2), (ap.FUSED, 2e-3)])
+@pytest.mark.parametrize("route,tol", [(ap.FUSED_MMA_ASYNC, 1e-2), (ap.FUSED_MMA, 1e-2), (ap.FUSED, 2e-3)])
 def test_prefill_head_dim_64_ragged_length(stream, route, tol):
     got, ref = prefill_case(stream, 999, 16, 4, 64, 37, route, seed=2)
     assert_bf16_close(got, ref, tol)

@@ -96,6 +96,25 @@ def test_prefill_fused_mma_fragment_indexing(switch_interval, T, Hq, Hkv, D, sta
 
 
 @pytest.mark.parametrize("switch_interval", [5e-4], indirect=True)
+@pytest.mark.parametrize("T,Hq,Hkv,D,start_pos", [
+    (11, 2, 1, 64, 60),     # keys [0, 71): a full tile (no mask for rows past 63) then the diagonal tile
+    (70, 2, 1, 64, 0),      # two query blocks; the first block's warps see clear tiles and diagonal tiles
+    (5, 1, 1, 96, 130),     # head_dim 96 (three ldmatrix.x4 per n-tile), three tiles, the last partial
+])
+def test_prefill_fused_mma_async_cp_async_and_ldmatrix(switch_interval, T, Hq, Hkv, D, start_pos):
+    # The ldmatrix twins move the words the documented fragment layouts say; cp.async copies at once here.
+    got, ref = run_prefill(T, Hq, Hkv, D, start_pos, ap.FUSED_MMA_ASYNC)
+    assert_bf16_close(got, ref, 1e-2)
+
+
+def test_prefill_async_route_refuses_other_head_dims():
+    with pytest.raises(ValueError, match="head_dim"):
+        ap.launch(*(cuda.to_device(np.zeros(sh, np.uint16)) for sh in ((4, 1, 80), (4, 1, 80), (4, 1, 80),
+                                                                         (4, 1, 80))),
+                  None, route=ap.FUSED_MMA_ASYNC, stream=cuda.stream())
+
+
+@pytest.mark.parametrize("switch_interval", [5e-4], indirect=True)
 def test_prefill_materialized_odd_head_dim(switch_interval):
     # D = 40: a head dim the fused routes do not take, so choose_route sends it here
     assert ap.choose_route(5, 4, 2, 40, start_pos=11) == ap.MATERIALIZED
