@@ -7,7 +7,9 @@ once at HBM speed, so
 - each thread reads W 16 bytes (8 bf16) per load, one load per owned row per step, so ``rows_per_block``
   independent loads are in flight per thread; W goes through the read-only cache path (``ld.global.nc``);
 - x is tiny and re-read by every block from L1/L2, also 16 bytes at a time, and shared by ``batch_tile``
-  rows of x per W load (batch decode reads W once per tile of up to 4 sequences);
+  rows of x per W load (batch decode reads W once per tile of up to 4 sequences); the batch tiles of the same
+  rows are consecutive blocks (one linear grid, batch tile fastest), so they run together and the re-reads of
+  W come from L2, not HBM;
 - partial sums are reduced with warp shuffles, then across warps through a few floats of shared memory.
 Shapes that cannot be read 16 bytes at a time (K % 8, unaligned views) use a scalar path (slow, correct).
 Output is bf16 (uint16) or fp32 — whatever ``out`` is; Qwen2's q/k/v bias is fused.
@@ -164,12 +166,12 @@ def _make(vec: int, nb: int, rpb: int, threads: int, has_bias: bool, out_bf16: b
     n_scratch = (threads // 32) * rn  # shared array shapes must be plain constants, not expressions
     dot_rows, stash, total = _device(vec, nb, rpb, threads, False)
 
-    def gemv_kernel(w, x, bias, y, n_rows, n_batch, k):
+    def gemv_kernel(w, x, bias, y, n_rows, n_batch, k, n_bt):
         # w: [N, K] bf16; x: [B, K] bf16; bias: [N] bf16 (ignored without bias); y: [B, N] bf16|f32
-        # grid: (ceil(N / rpb), ceil(B / nb)); block: threads
+        # grid: ceil(N / rpb) * n_bt, n_bt = ceil(B / nb); block: threads
         tid = cuda.threadIdx.x
-        row0 = cuda.blockIdx.x * rpb
-        b0 = cuda.blockIdx.y * nb
+        row0 = (cuda.blockIdx.x // n_bt) * rpb
+        b0 = (cuda.blockIdx.x % n_bt) * nb
         acc = cuda.local.array(rn, np.float32)   # acc[r * nb + b]
         dot_rows(w, w, x, row0, n_rows, b0, n_batch, k, acc)
         scratch = cuda.shared.array(n_scratch, np.float32)   # [warp, r * nb + b]
@@ -198,11 +200,11 @@ def _make_multi(vec: int, nb: int, rpb: int, threads: int, has_bias: bool):
     dot_rows, stash, total = _device(vec, nb, rpb, threads, False)
 
     def gemv_multi_kernel(w0, w1, w2, x, bias0, bias1, bias2, y0, y1, y2, n0, n1, n2, blk0, blk1,
-                          n_batch, k):
+                          n_batch, k, n_bt):
         # w_i: [N_i, K] bf16; x: [B, K]; bias_i: [N_i] (placeholders without bias); y_i: [B, N_i] bf16
-        # grid: (blk0 + blk1 + ceil(N2 / rpb), ceil(B / nb)); blk_i = ceil(N_i / rpb)
+        # grid: (blk0 + blk1 + ceil(N2 / rpb)) * n_bt; blk_i = ceil(N_i / rpb), n_bt = ceil(B / nb)
         tid = cuda.threadIdx.x
-        bx = cuda.blockIdx.x
+        bx = cuda.blockIdx.x // n_bt
         # Each matrix gets its own call of the block body: selecting among the array arguments would
         # turn the weight loads into generic (not ld.global.nc) loads.
         if bx < blk0:
@@ -211,7 +213,7 @@ def _make_multi(vec: int, nb: int, rpb: int, threads: int, has_bias: bool):
             m, n_rows, row0 = 1, n1, (bx - blk0) * rpb
         else:
             m, n_rows, row0 = 2, n2, (bx - blk0 - blk1) * rpb
-        b0 = cuda.blockIdx.y * nb
+        b0 = (cuda.blockIdx.x % n_bt) * nb
         acc = cuda.local.array(rn, np.float32)
         if m == 0:
             dot_rows(w0, w0, x, row0, n_rows, b0, n_batch, k, acc)
@@ -258,12 +260,12 @@ def _make_gate_up(vec: int, nb: int, rpb: int, threads: int):
     n_scratch = (threads // 32) * na
     dot_rows, stash, total = _device(vec, nb, rpb, threads, True)
 
-    def gemv_gate_up_silu_kernel(wg, wu, x, y, n_rows, n_batch, k):
+    def gemv_gate_up_silu_kernel(wg, wu, x, y, n_rows, n_batch, k, n_bt):
         # wg, wu: [N, K] bf16; x: [B, K] bf16; y: [B, N] bf16
-        # grid: (ceil(N / rpb), ceil(B / nb)); block: threads
+        # grid: ceil(N / rpb) * n_bt, n_bt = ceil(B / nb); block: threads
         tid = cuda.threadIdx.x
-        row0 = cuda.blockIdx.x * rpb
-        b0 = cuda.blockIdx.y * nb
+        row0 = (cuda.blockIdx.x // n_bt) * rpb
+        b0 = (cuda.blockIdx.x % n_bt) * nb
         acc = cuda.local.array(na, np.float32)   # gate: acc[r * nb + b]; up: acc[rn + r * nb + b]
         dot_rows(wg, wu, x, row0, n_rows, b0, n_batch, k, acc)
         scratch = cuda.shared.array(n_scratch, np.float32)
@@ -304,8 +306,8 @@ def gemv(w, x, out, *, bias=None, workspace=None, stream=None, config: GemvConfi
         raise ValueError("gemv: threads per block must cover rows_per_block * batch_tile")
     vec = 8 if vec8_ok(w, x) else 1
     kern = _make(vec, nb, rpb, threads, bias is not None, out.dtype == np.uint16)
-    kern[(cdiv(n, rpb), cdiv(b, nb)), threads, as_stream(stream)](
-        w, x, x if bias is None else bias, out, n, b, k)
+    nbt = cdiv(b, nb)
+    kern[cdiv(n, rpb) * nbt, threads, as_stream(stream)](w, x, x if bias is None else bias, out, n, b, k, nbt)
 
 
 def _as2d(a):
@@ -344,9 +346,10 @@ def gemv_multi(ws, x, outs, *, biases=None, workspace=None, stream=None, config:
     vec = 8 if vec8_ok(*ws, x) else 1
     kern = _make_multi(vec, nb, rpb, threads, biases is not None)
     bs = [x, x, x] if biases is None else list(biases)
-    kern[(sum(blk), cdiv(b, nb)), threads, as_stream(stream)](
+    nbt = cdiv(b, nb)
+    kern[sum(blk) * nbt, threads, as_stream(stream)](
         ws[0], ws[1], ws[2], x, bs[0], bs[1], bs[2], outs[0], outs[1], outs[2], ns[0], ns[1], ns[2],
-        blk[0], blk[1], b, k)
+        blk[0], blk[1], b, k, nbt)
 
 
 def gemv_gate_up_silu(w_gate, w_up, x, out, *, workspace=None, stream=None, config: GemvConfig | None = None):
@@ -370,8 +373,9 @@ def gemv_gate_up_silu(w_gate, w_up, x, out, *, workspace=None, stream=None, conf
     if threads < rpb * nb:
         raise ValueError("gemv_gate_up_silu: threads per block must cover rows_per_block * batch_tile")
     vec = 8 if vec8_ok(w_gate, w_up, x) else 1
-    _make_gate_up(vec, nb, rpb, threads)[(cdiv(n, rpb), cdiv(b, nb)), threads, as_stream(stream)](
-        w_gate, w_up, x, out, n, b, k)
+    nbt = cdiv(b, nb)
+    _make_gate_up(vec, nb, rpb, threads)[cdiv(n, rpb) * nbt, threads, as_stream(stream)](
+        w_gate, w_up, x, out, n, b, k, nbt)
 
 
 def reference(w, x, bias=None) -> np.ndarray:
@@ -432,7 +436,7 @@ def flops_gate_up_silu(n: int, k: int, batch: int = 1) -> int:
 
 def _sig(has_bias: bool, out: str) -> str:
     bias_t = "uint16[::1]" if has_bias else "uint16[:, ::1]"
-    return f"void(uint16[:, ::1], uint16[:, ::1], {bias_t}, {out}[:, ::1], int64, int64, int64)"
+    return f"void(uint16[:, ::1], uint16[:, ::1], {bias_t}, {out}[:, ::1], int64, int64, int64, int64)"
 
 
 # What a Llama/Mistral/Qwen2 decode launches: 16-byte path with bf16 out, Qwen2's bias, fp32 logits;
@@ -448,10 +452,10 @@ SIGNATURES = [
 def _sig_multi(has_bias: bool) -> str:
     bias_t = "uint16[::1]" if has_bias else "uint16[:, ::1]"
     w, y = "uint16[:, ::1]", "uint16[:, ::1]"
-    return f"void({w}, {w}, {w}, {w}, {bias_t}, {bias_t}, {bias_t}, {y}, {y}, {y}, " + ", ".join(["int64"] * 7) + ")"
+    return f"void({w}, {w}, {w}, {w}, {bias_t}, {bias_t}, {bias_t}, {y}, {y}, {y}, " + ", ".join(["int64"] * 8) + ")"
 
 
-_SIG_GATE_UP = "void(uint16[:, ::1], uint16[:, ::1], uint16[:, ::1], uint16[:, ::1], int64, int64, int64)"
+_SIG_GATE_UP = "void(uint16[:, ::1], uint16[:, ::1], uint16[:, ::1], uint16[:, ::1], int64, int64, int64, int64)"
 
 # The fused decode launches: q/k/v in one grid (with and without Qwen2's bias; two rows per block for the
 # 3072 + 1024 + 1024 rows of the 3B preset, one for small models), gate/up/silu (one and two rows of each
