@@ -181,6 +181,28 @@ def test_bench_gemv_decode_vs_torch(benchmark, gemv_data, copy_ceiling, cfg):
           f"ratio {info['ratio']:.3f} (bar <= {GEMV_BAR})")
 
 
+@pytest.mark.parametrize("b,route", [(1, "simt"), (8, "simt"), (8, "mma"), (16, "simt"), (16, "mma"),
+                                     (32, "simt"), (32, "mma")])
+def test_bench_gemv_batch(benchmark, copy_ceiling, monkeypatch, b, route):
+    """A decode step of B sequences through the 4096 x 14336 projection: the SIMT batch tiles against the
+    tensor-core kernel (``gemv_mma``), W bytes ÷ time beside the copy ceiling and torch's linear of the same B."""
+    torch = _torch()
+    monkeypatch.setattr(gemv, "MMA_BATCH", route == "mma")
+    torch.manual_seed(0)
+    w = torch.randn(I, H, device="cuda", dtype=torch.bfloat16) * 0.02
+    x = torch.randn(b, H, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(b, I, device="cuda", dtype=torch.bfloat16)
+    t_torch = device_seconds(capture(lambda s: torch.nn.functional.linear(x, w)))
+    dw, dx, dout = nb(w), nb(x), nb(out)
+    t = device_seconds(capture(lambda s: gemv.gemv(dw, dx, dout, stream=s)), benchmark)
+    err = (out.float() - torch.nn.functional.linear(x, w).float()).abs().max().item()
+    info = record(benchmark, seconds=t, nbytes=2 * I * H + 2 * b * (H + I), ceiling_gbps=copy_ceiling["torch_gbps"],
+                  ratio=t / t_torch, op="report", torch_us=t_torch * 1e6, batch=b, route=route,
+                  tflops=2 * b * I * H / t / 1e12, max_abs_err_vs_torch=err)
+    assert err < 0.05, f"batched GEMV disagrees with torch by {err}"
+    print(f"\ngemv B={b} {route}: {info['device_us']:.1f} us ({info['GB/s']:.0f} GB/s of W), torch {t_torch * 1e6:.1f} us")
+
+
 def test_bench_gemv_down_proj(benchmark, copy_ceiling):
     torch = _torch()
     w = torch.randn(H, I, device="cuda", dtype=torch.bfloat16) * 0.02

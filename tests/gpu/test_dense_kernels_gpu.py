@@ -50,6 +50,9 @@ def dot_slack(x, w):
     (H, H, 4, True, np.uint16),         # batch decode, Qwen2-style bias
     (V, H, 2, False, np.float32),       # lm_head, fp32 logits
     (37, 67, 1, False, np.uint16),      # scalar fallback
+    (I, H, 16, False, np.uint16),       # batched decode on tensor cores (gemv_mma), two n8 tiles
+    (H, H, 11, True, np.uint16),        # the same with bias, 11 of 16 sequence columns used
+    (V, H, 32, False, np.float32),      # lm_head of 32 sequences, fp32 logits, four n8 tiles
 ])
 def test_gemv(stream, rng, n, k, b, bias, out_dtype):
     from numba import cuda
@@ -84,6 +87,8 @@ H3, QD3, KVD3, I3 = 3072, 3072, 1024, 8192
     ((H, 1024, 1024), H, 1, True),         # Qwen2-style bias, 4096-wide
     ((QD3, KVD3), H3, 4, False),           # two matrices, batch 4
     ((37, 5, 11), 67, 1, True),            # scalar fallback
+    ((QD3, KVD3, KVD3), H3, 16, True),     # batched decode on tensor cores, Qwen2-style bias
+    ((QD3, KVD3), H3, 8, False),           # two matrices, one n8 tile
 ])
 def test_gemv_multi(stream, rng, ns, k, b, bias):
     from numba import cuda
@@ -97,7 +102,7 @@ def test_gemv_multi(stream, rng, ns, k, b, bias):
         assert_bf16_close(get(out, stream), ref, dot_slack(x, w))
 
 
-@pytest.mark.parametrize("n,k,b", [(I3, H3, 1), (I, H, 1), (I3, H3, 3), (37, 67, 1)])
+@pytest.mark.parametrize("n,k,b", [(I3, H3, 1), (I, H, 1), (I3, H3, 3), (37, 67, 1), (I3, H3, 16), (I, H, 32)])
 def test_gemv_gate_up_silu(stream, rng, n, k, b):
     from numba import cuda
     wg, wu, x = bf16(rng, (n, k), 0.05), bf16(rng, (n, k), 0.05), bf16(rng, (b, k))

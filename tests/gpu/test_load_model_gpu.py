@@ -193,6 +193,30 @@ def test_batched_decode_on_cuda_gives_each_sequence_its_own_tokens(driver, tmp_p
             assert got[:k] == want, (strategy, quantize)
 
 
+def test_batched_decode_of_eight_or_more_on_tensor_cores(driver, tmp_path):
+    """max_batch 12, fourteen prompts: steps of 8 to 12 sequences take the tensor-core GEMV (``gemv_mma``), whose
+    sums are ordered differently from one sequence's SIMT GEMV; every sequence's tokens still equal its own alone,
+    resident and streamed."""
+    from hf_oracle import build_reference
+    from vmmstream.kernels.matmul.dense import gemv_mma
+    build_reference("llama", 0, tmp_path, COMMON, [1, 2], 1)
+    assert COMMON["hidden_size"] % gemv_mma.KC == 0 and COMMON["intermediate_size"] % gemv_mma.KC == 0
+    prompts = [[3 + i, 40 + 7 * i, 9, 100 + i][: 2 + i % 3] for i in range(14)]
+    news = [6 + i % 5 for i in range(14)]
+    fits, half, _ = _budgets(tmp_path, driver.granularity())
+    for budget, strategy in ((fits * 2, "resident"), (half, "streamed")):
+        mem = memory(driver, budget)
+        try:
+            with vmmstream.load_model(tmp_path, memory=mem, max_context=MC, max_batch=12) as m:
+                assert m.plan.strategy == strategy
+                alone = [m.generate(p, k, eos_token_id=[]) for p, k in zip(prompts, news)]
+                together = m.generate(prompts, max(news), eos_token_id=[])
+        finally:
+            mem.close()
+        for got, want, k in zip(together, alone, news):
+            assert got[:k] == want, strategy
+
+
 # Seeds chosen on the host backend for the widest greedy margins over the 32 steps (smallest top-2 margin /
 # tolerance: mixtral 8 0.64, qwen2-moe 7 1.92; of seeds 0-39 and 0-7). mixtral 3 / qwen2-moe 0 had margins of
 # 0.06 / 0.12 of the tolerance and parted from transformers at a near-tie on the H200 (mixtral 3 on the host too).

@@ -14,7 +14,7 @@ from numba import cuda
 from vmmstream.errors import WorkspaceShortfall
 from vmmstream.kernels import NONE, Lifetime
 from vmmstream.kernels.ops import elementwise, embedding
-from vmmstream.kernels.matmul.dense import gemm, gemv
+from vmmstream.kernels.matmul.dense import gemm, gemv, gemv_mma
 from vmmstream.kernels.ops import norm, rope, sampling, scalars
 from vmmstream.kernels.base.dtypes import bf16_to_f32, f32_to_bf16
 from vmmstream.kernels.base.launch import vec8_ok
@@ -127,6 +127,62 @@ def test_gemv_gate_up_silu_matches_reference(n, k, b, rpb):
     gemv.gemv(dev(wu), dev(x), up, config=cfg)
     elementwise.silu_mul(gate, up, gate, threads=32)
     np.testing.assert_array_equal(got, gate.copy_to_host())
+
+
+# ------------------------------------------------------------------------------- gemv on tensor cores
+
+@pytest.mark.parametrize("n,k,b,bias,out_dtype", [
+    (20, 192, 9, True, np.float32),   # 2 row blocks (rows clamped), 3 K chunks over 4 warps, 2 n8 tiles, B clamped
+    (16, 256, 8, False, np.uint16),   # one block, every warp one chunk, one n8 tile
+])
+def test_gemv_batch_takes_tensor_cores(n, k, b, bias, out_dtype):
+    """B >= 8 with K % 64 == 0: ``gemv`` takes ``gemv_mma`` (W as the mma's A operand, the k order inside a chunk
+    permuted alike for W and x); the sums are the reference's."""
+    rng = np.random.default_rng(n + k + b)
+    w, x = bf16(rng, (n, k)), bf16(rng, (b, k))
+    bb = bf16(rng, n) if bias else None
+    assert gemv_mma.usable(dev(w), dev(x))
+    out = cuda.device_array((b, n), out_dtype)
+    gemv.gemv(dev(w), dev(x), out, bias=None if bb is None else dev(bb))
+    ref = gemv.reference(w, x, bb)
+    slack = 1e-5 * (np.abs(bf16_to_f32(x)) @ np.abs(bf16_to_f32(w)).T) + 1e-6
+    if out_dtype == np.uint16:
+        assert_bf16_close(out.copy_to_host(), ref, slack)
+    else:
+        assert np.all(np.abs(out.copy_to_host() - ref) <= slack)
+
+
+def test_gemv_multi_and_gate_up_take_tensor_cores():
+    rng = np.random.default_rng(5)
+    b, k = 10, 128
+    x = bf16(rng, (b, k))
+    for ns, bias in (((24, 8, 8), True), ((16, 40), False)):
+        ws = [bf16(rng, (n, k)) for n in ns]
+        bs = [bf16(rng, n) for n in ns] if bias else None
+        outs = [cuda.device_array((b, n), np.uint16) for n in ns]
+        gemv.gemv_multi([dev(w) for w in ws], dev(x), outs, biases=None if bs is None else [dev(v) for v in bs])
+        for i, (w, ref) in enumerate(zip(ws, gemv.reference_multi(ws, x, bs))):
+            slack = 1e-5 * (np.abs(bf16_to_f32(x)) @ np.abs(bf16_to_f32(w)).T) + 1e-6
+            assert_bf16_close(outs[i].copy_to_host(), ref, slack)
+    n = 18
+    wg, wu = bf16(rng, (n, k), 0.5), bf16(rng, (n, k), 0.5)
+    out = cuda.device_array((b, n), np.uint16)
+    gemv.gemv_gate_up_silu(dev(wg), dev(wu), dev(x), out)
+    exact, err = gate_up_bound(wg, wu, x)
+    assert np.all(np.abs(bf16_to_f32(out.copy_to_host()) - exact) <= err)
+    # equal, bit for bit, to the tensor-core gate and up launches it replaces followed by silu_mul
+    gate, up = cuda.device_array((b, n), np.uint16), cuda.device_array((b, n), np.uint16)
+    gemv.gemv(dev(wg), dev(x), gate)
+    gemv.gemv(dev(wu), dev(x), up)
+    elementwise.silu_mul(gate, up, gate, threads=32)
+    np.testing.assert_array_equal(out.copy_to_host(), gate.copy_to_host())
+
+
+def test_gemv_small_batches_and_odd_k_stay_on_simt():
+    rng = np.random.default_rng(6)
+    assert not gemv_mma.usable(dev(bf16(rng, (16, 128))), dev(bf16(rng, (7, 128))))     # B < 8
+    assert not gemv_mma.usable(dev(bf16(rng, (16, 96))), dev(bf16(rng, (8, 96))))       # K % 64
+    assert not gemv_mma.usable(dev(bf16(rng, (16, 128))), dev(bf16(rng, (33, 128))))    # B > 32
 
 
 # ------------------------------------------------------------------------------------------- gemm

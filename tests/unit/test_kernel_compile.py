@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-KERNEL_MODULES = ["matmul.dense.gemv", "matmul.dense.gemm", "matmul.dense.gemm_mma", "matmul.quant.gemv", "matmul.quant.gemv_mma",
+KERNEL_MODULES = ["matmul.dense.gemv", "matmul.dense.gemv_mma", "matmul.dense.gemm", "matmul.dense.gemm_mma", "matmul.quant.gemv", "matmul.quant.gemv_mma",
                   "matmul.quant.gemv_mx16", "matmul.quant.gemv_imma", "matmul.quant.gemm", "matmul.quant.gemm_mma", "moe.gather", "moe",
                   "ops.norm", "ops.rope", "ops.elementwise", "ops.embedding", "ops.sampling", "ops.scalars",
                   "attention.prefill", "attention.decode"]

@@ -23,7 +23,6 @@ Two fused decode launches reuse the same block body (``_device``: loads, accumul
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,8 +33,12 @@ from vmmstream.kernels.base.jit import jit
 from vmmstream.kernels.base.launch import (as_stream, cdiv, check_threads, check_workspace, hi_f32, ld8_ro, lo_f32,
     vec8_ok, warp_sum)
 from vmmstream.kernels.base.workspace import NONE
+from vmmstream.kernels.matmul.dense import gemv_mma
 
 CAPTURE_SAFE = True  # no allocation, no synchronize, device arrays only
+# Batches of gemv_mma.MIN_BATCH .. MAX_BATCH sequences (K a multiple of 64) take the tensor-core kernel of
+# ``gemv_mma`` when no config is given: each weight read once per step. False keeps the SIMT batch tiles.
+MMA_BATCH = True
 
 
 @dataclass(frozen=True)
@@ -244,10 +247,7 @@ def _make_multi(vec: int, nb: int, rpb: int, threads: int, has_bias: bool):
     return jit(gemv_multi_kernel)
 
 
-@cuda.jit(device=True, inline="always")
-def _silu_mul(g, u):
-    # the elementwise silu_mul op (kernels/ops/elementwise.py), fp32
-    return g / (np.float32(1.0) + math.exp(-g)) * u
+_silu_mul = gemv_mma.silu_mul
 
 
 @functools.lru_cache(maxsize=None)
@@ -301,6 +301,9 @@ def gemv(w, x, out, *, bias=None, workspace=None, stream=None, config: GemvConfi
     if x.shape[1] != k or out.shape != (b, n) or (bias is not None and bias.shape != (n,)):
         raise ValueError(f"gemv shapes: w {w.shape}, x {x.shape}, out {out.shape}, "
                          f"bias {None if bias is None else bias.shape}")
+    if config is None and MMA_BATCH and gemv_mma.usable(w, x):
+        gemv_mma.launch(w, x, out, bias, as_stream(stream))
+        return
     threads, rpb, nb = _auto(n, b, config or GemvConfig())
     if threads < rpb * nb:
         raise ValueError("gemv: threads per block must cover rows_per_block * batch_tile")
@@ -335,6 +338,14 @@ def gemv_multi(ws, x, outs, *, biases=None, workspace=None, stream=None, config:
                 (biases is not None and biases[i].shape != (n,)):
             raise ValueError(f"gemv_multi shapes: w[{i}] {w.shape}, x {x.shape}, out[{i}] {o.shape} "
                              f"{o.dtype}, bias {None if biases is None else biases[i].shape}")
+    if config is None and MMA_BATCH and all(gemv_mma.usable(w, x) for w in ws):
+        if len(ws) == 2:
+            ws, outs = ws + [ws[1]], outs + [outs[1]]
+            biases = None if biases is None else list(biases) + [biases[1]]
+            gemv_mma.launch_multi(ws, x, outs, biases, as_stream(stream), n2=0)
+        else:
+            gemv_mma.launch_multi(ws, x, outs, biases, as_stream(stream))
+        return
     ns = [int(w.shape[0]) for w in ws]
     threads, rpb, nb = _auto(sum(ns), b, config or GemvConfig())
     if threads < rpb * nb:
@@ -367,6 +378,9 @@ def gemv_gate_up_silu(w_gate, w_up, x, out, *, workspace=None, stream=None, conf
     if w_up.shape != (n, k) or x.shape[1] != k or out.shape != (b, n) or out.dtype != np.uint16:
         raise ValueError(f"gemv_gate_up_silu shapes: w_gate {w_gate.shape}, w_up {w_up.shape}, x {x.shape}, "
                          f"out {out.shape} {out.dtype}")
+    if config is None and MMA_BATCH and gemv_mma.usable(w_gate, x) and gemv_mma.usable(w_up, x):
+        gemv_mma.launch_gate_up(w_gate, w_up, x, out, as_stream(stream))
+        return
     cfg = config or GemvConfig()
     threads, _, nb = _auto(n, b, cfg)
     rpb = cfg.rows_per_block or 1
