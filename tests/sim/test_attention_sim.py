@@ -123,8 +123,9 @@ def test_prefill_materialized_odd_head_dim(switch_interval):
 
 
 def test_i7_prefill_requirements():
-    assert ap.choose_route(2048, 32, 8, 128) == ap.FUSED_MMA
-    for route in (ap.FUSED, ap.FUSED_MMA):
+    assert ap.choose_route(2048, 32, 8, 128) == ap.FUSED_MMA_ASYNC
+    assert ap.choose_route(2048, 32, 8, 80) == ap.FUSED_MMA
+    for route in (ap.FUSED, ap.FUSED_MMA, ap.FUSED_MMA_ASYNC):
         assert ap.workspace_requirement(2048, 32, 8, 128, route=route) == NONE
     req = ap.workspace_requirement(5, 4, 2, 40, start_pos=11, route=ap.MATERIALIZED)
     assert req.lifetime == Lifetime.STEP

@@ -87,10 +87,10 @@ class _Plan:
         self.d = L.matrix_layout_create(_CUDA_R_16BF, n, m, n)      # out [M, N]
         pref = L.matmul_preference_create()
         try:
-            ws = np.uint64(WORKSPACE)
+            ws = np.array([WORKSPACE], np.uint64)     # attribute values are read through pointers
             L.matmul_preference_set_attribute(pref, L.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES,
                                               ws.ctypes.data, ws.nbytes)
-            al = np.uint32(align)           # the operands' address alignment: only algorithms that take it
+            al = np.array([align], np.uint32)      # the operands' address alignment: only algorithms that take it
             P = L.MatmulPreferenceAttribute
             for attr in (P.MIN_ALIGNMENT_A_BYTES, P.MIN_ALIGNMENT_B_BYTES, P.MIN_ALIGNMENT_C_BYTES,
                          P.MIN_ALIGNMENT_D_BYTES):
