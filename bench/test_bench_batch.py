@@ -33,14 +33,17 @@ def aggregate(m, b: int, new: int = NEW) -> dict:
     t0 = time.perf_counter()
     m.generate(prompts, 1, eos_token_id=[])          # the prefills alone: each sequence's first token
     joins = time.perf_counter() - t0
+    before = m.stats()
     t0 = time.perf_counter()
     out = m.generate(prompts, new, eos_token_id=[])
     wall = time.perf_counter() - t0
+    after = m.stats()
+    counts = {k: after[k] - before[k] for k in ("batch_graph_replays", "eager_steps", "prefill_graph_replays")}
     assert all(len(o) == new for o in out)
     steps = max(wall - joins, 1e-9)                  # the new - 1 decode steps of the batch
     return {"batch": b, "wall_s": wall, "aggregate_tok_s": b * new / wall, "per_sequence_tok_s": new / wall,
             "prefill_wall_s": joins, "decode_step_ms": 1e3 * steps / (new - 1),
-            "decode_aggregate_tok_s": b * (new - 1) / steps}
+            "decode_aggregate_tok_s": b * (new - 1) / steps, **counts}
 
 
 @pytest.fixture(scope="module")

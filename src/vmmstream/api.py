@@ -398,6 +398,8 @@ class Model:
             "prefill_tokens": c["prefill_tokens"], "decode_tokens": c["decode_tokens"],
             "graph_captures": c["graph_captures"], "graph_replays": c["graph_replays"],
             "prefill_graph_captures": c["prefill_graph_captures"], "prefill_graph_replays": c["prefill_graph_replays"],
+            "batch_graph_captures": c["batch_graph_captures"], "batch_graph_replays": c["batch_graph_replays"],
+            "eager_steps": c["eager_steps"],
             "graph_nodes": {str(k): g.node_count for k, g in self.engine.graphs.items()},
             "page_ins": c["page_ins"], "page_in_bytes": c["page_in_bytes"],
             "streamed_bytes_per_token": p.streamed_bytes_per_token,
