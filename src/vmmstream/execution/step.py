@@ -205,7 +205,7 @@ class Step:
             qkv = [(p + f"self_attn.{n}_proj.weight", p + f"self_attn.{n}_proj.bias" if c.attention_bias else None,
                     out) for n, out in (("q", a.q), ("k", a.k), ("v", a.v))]
             qkv_names = [n for wn, bn, _ in qkv for n in (wn, bn) if n]
-            if decode and t == 1 and self._fusable(qkv_names):
+            if decode and self._fusable(qkv_names):
                 self._use(qkv_names, lambda: o.gemv_multi(
                     S, [W(wn) for wn, _, _ in qkv], a.xn, [out for _, _, out in qkv],
                     [W(bn) for _, bn, _ in qkv] if c.attention_bias else None))
@@ -261,7 +261,7 @@ class Step:
         o, S, W = self.ops, self.S, self.w.array
         wg, wu, wd = (p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down"))
         t, sub = a.xn.shape[0], self.acts.sub
-        if decode and t == 1 and self._fusable([wg, wu]):
+        if decode and self._fusable([wg, wu]):
             self._use([wg, wu], lambda: o.gemv_gate_up_silu(S, W(wg), W(wu), a.xn, a.gate))
         elif t > sub:               # a walk longer than the up buffer: up and silu·mul a sub-chunk at a time
             self._use([wg], lambda: mm(a.gate, W(wg), a.xn))
