@@ -121,8 +121,6 @@ class Model:
                 from .model.companions import read_eos_token_ids
                 self.eos_token_ids = read_eos_token_ids(self.path, self.config.vocab_size)
                 quantize = stored_quantization(checkpoint, quantize)
-                if max_batch and max_batch > 1 and self.config.is_moe:
-                    raise ValueError("max_batch > 1: batched decode of a mixture of experts is not supported yet")
                 self.plan, tmax = plan_model(checkpoint, memory, max_context=max_context, slots=slots,
                                              h2d_gbps=h2d_gbps, prefill_chunk=prefill_chunk, quantize=quantize,
                                              batch=max_batch)

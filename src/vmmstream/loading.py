@@ -254,10 +254,10 @@ def workspace_peaks(config, max_context: int, tmax: int, backend: str = "host", 
                                                    start_pos=max_context - at).bytes
     if getattr(c, "is_moe", False):
         # expert routing + h: decode (inside the graph: session lifetime) over the k slots or a layer's experts,
-        # prefill rounds over the k slots
+        # for each of a batch's sequences; prefill rounds over the k slots
         from vmmstream.kernels import moe
         k, n = c.num_experts_per_tok, max(c.num_experts_per_tok, c.num_experts)
-        session = max(session, moe.workspace_requirement(1, k, n, c.moe_intermediate_size).bytes)
+        session = max(session, moe.workspace_requirement(batch, k, n, c.moe_intermediate_size).bytes)
         step = max(step, moe.workspace_requirement(tmax, k, n, c.moe_intermediate_size).bytes)
     return {"step": int(step), "session": int(session)}
 

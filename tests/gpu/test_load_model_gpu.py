@@ -217,6 +217,33 @@ def test_batched_decode_of_eight_or_more_on_tensor_cores(driver, tmp_path):
             assert got[:k] == want, strategy
 
 
+@pytest.mark.parametrize("arch,seed", [("mixtral", 8), ("qwen2-moe", 7)])
+def test_batched_decode_of_a_mixture_of_experts_on_cuda(driver, tmp_path, arch, seed):
+    """max_batch 3, five prompts: resident experts (the pool stack, steps as graphs) and at half the weights (experts
+    gathered on demand; a batch's steps run host-driven rounds over the slots, eagerly): each sequence's tokens
+    equal its own alone."""
+    from vmmstream.loading import plan_walked
+    from vmmstream.model import open_checkpoint
+    _hf(arch, seed, tmp_path)
+    prompts = [PROMPT, [3, 4], list(range(10, 31)), [7] * 9, [100, 17, 5]]
+    news = [12, 5, 9, 12, 7]
+    ck = open_checkpoint(tmp_path)
+    full = plan_walked(ck.config, ck.tensors, 1 << 40, backend="cuda", granularity=driver.granularity(),
+                       max_context=MC, batch=3)
+    for budget, on_demand in ((full.floor + full.weight_bytes, False), (full.floor + full.weight_bytes // 2, True)):
+        mem = memory(driver, budget)
+        try:
+            with vmmstream.load_model(tmp_path, memory=mem, max_context=MC, max_batch=3) as m:
+                assert (m.plan.experts.slots > 0) == on_demand
+                alone = [m.generate(p, k, eos_token_id=[]) for p, k in zip(prompts, news)]
+                together = m.generate(prompts, max(news), eos_token_id=[])
+                assert (m.stats()["batch_graph_replays"] > 0) != on_demand
+        finally:
+            mem.close()
+        for got, want, k in zip(together, alone, news):
+            assert got[:k] == want, (arch, on_demand)
+
+
 # Seeds chosen on the host backend for the widest greedy margins over the 32 steps (smallest top-2 margin /
 # tolerance: mixtral 8 0.64, qwen2-moe 7 1.92; of seeds 0-39 and 0-7). mixtral 3 / qwen2-moe 0 had margins of
 # 0.06 / 0.12 of the tolerance and parted from transformers at a near-tie on the H200 (mixtral 3 on the host too).

@@ -1,5 +1,6 @@
 """Many sequences per decode step (``load_model(..., max_batch=B)``, ``generate([...])``) on the host backend: each
-sequence of a batch gets the tokens (and logits) it gets alone, resident and streamed, bf16 and int4, prompts of
+sequence of a batch gets the tokens (and logits) it gets alone, resident and streamed, bf16 and int4, dense and
+mixtures of experts, prompts of
 different lengths finishing at different steps, more prompts than slots (joining as slots free); KV pages are
 mapped per sequence and unmapped when it leaves."""
 
@@ -66,6 +67,28 @@ def test_each_sequence_of_a_batch_gets_what_it_gets_alone(ckpt, where, quantize)
         assert np.max(np.abs(logits[:k] - want_logits[:k])) <= 1e-3 * scale
     for got, (want, _), k in zip(mixed, alone, NEWS):
         assert got[:k] == want
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2-moe"])
+def test_a_mixture_of_experts_batch_gives_each_sequence_its_own_tokens(tmp_path, arch):
+    """Each token of a step routes to its own experts: resident, and streamed with the experts gathered on demand
+    (the CUDA steps of that case run the host-driven rounds over the slots, eagerly); tokens and logits equal
+    each sequence's alone."""
+    build_reference(arch, 0, tmp_path, COMMON, [1, 2], 1)
+    resident, half = _budgets(tmp_path, 3)
+    for budget, on_demand in ((resident, False), (half, True)):
+        mem, m = _load(tmp_path, budget, max_batch=3)
+        try:
+            assert (m.plan.experts.slots > 0) == on_demand
+            alone = [m.generate(p, k, return_logits=True, eos_token_id=[]) for p, k in zip(PROMPTS, NEWS)]
+            together = m.generate(PROMPTS, 12, return_logits=True, eos_token_id=[])
+        finally:
+            m.close()
+            mem.close()
+        for (tokens, logits), (want, want_logits), k in zip(together, alone, NEWS):
+            assert tokens[:k] == want, (arch, on_demand)
+            scale = np.max(np.abs(want_logits))
+            assert np.max(np.abs(logits[:k] - want_logits)) <= 1e-3 * scale
 
 
 def test_sequences_stop_at_their_own_stop_ids_and_the_batch_goes_on(ckpt):

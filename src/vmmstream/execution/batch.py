@@ -157,6 +157,9 @@ class BatchDecoder:
         kernel it needs), then captured once and replayed; the state it reads was uploaded before."""
         e, kv = self.e, self.kv
         g = e.batch_graphs.get(n)
+        ex = e.weights.experts if e.weights is not None else None
+        if ex is not None and ex.on_demand and e.ops.backend != "host":
+            e.batch_graphs[n] = None     # experts streamed on demand: host-driven rounds, so the steps run eagerly
         if g is None and n in e.batch_seen:
             from ..errors import DriverError
             from .graph import DecodeGraph

@@ -307,11 +307,12 @@ class Step:
             o.moe_experts(S, ex, layer, a.xn, a.topk_ids, a.topk_w, a.eg, a.moe_acc, decode)
             o.moe_finish(S, a.moe_acc, a.proj, shared, sgate)
             return
-        # CUDA: decode gathers the routed units into the slots inside the graph; prefill runs host-driven rounds
+        # CUDA: decode gathers the routed units into the slots inside the graph; prefill, and a batch's decode step
+        # (its tokens may route to more experts than there are slots), run host-driven rounds over the slots
         if not ex.on_demand:
             o.moe_ffn(S, ex.stack("pool", layer), a.topk_ids, a.xn, a.moe_y3, self._moe_ws(decode),
                       c.num_experts)
-        elif decode:
+        elif decode and a.xn.shape[0] == 1:
             o.expert_gather(S, ex, layer, a.topk_ids, a.moe_mapped)
             o.moe_ffn(S, ex.stack("slots"), a.moe_mapped, a.xn, a.moe_y3, self._moe_ws(decode), ex.n_slots)
         else:
