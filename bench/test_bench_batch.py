@@ -1,4 +1,5 @@
-"""Many sequences per decode step: aggregate tokens/s at B = 1, 4, 16, 32, resident and at 2 GiB, beside the bound of
+"""Many sequences per decode step: aggregate tokens/s at B = 1, 4, 16, 32, resident and at 2 GiB (the Mixtral-shaped
+preset at 3 GiB), beside the bound of
 each (streamed bytes per step ÷ pinned H2D: the same bytes serve every sequence of the step).
 
 ``generate([B prompts of 16 tokens], 64)`` on a model loaded with ``max_batch=32`` (one plan for every B), by the
@@ -21,7 +22,8 @@ from test_bench_user import h2d_gbps  # noqa: F401  (the pinned host-to-device f
 import vmmstream
 
 GiB = 1 << 30
-MODELS = os.environ.get("VMMSTREAM_BATCH_MODELS", "llama-3b").split(",")
+MODELS = os.environ.get("VMMSTREAM_BATCH_MODELS", "llama-3b,mixtral-4.7b").split(",")
+STREAMED = {"mixtral-4.7b": 3 * GiB}      # the budget of the streamed row (2 GiB unless named here)
 BATCHES = (1, 4, 16, 32)
 PROMPT, NEW = 16, 64
 
@@ -52,13 +54,13 @@ def checkpoints():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("budget", ["resident", "2GiB"])
+@pytest.mark.parametrize("budget", ["resident", "streamed"])
 @pytest.mark.parametrize("model", MODELS)
 def test_bench_batched_decode(benchmark, checkpoints, tmp_path_factory, h2d_gbps, model, budget):
     from vmmstream.model import make_checkpoint
     if model not in checkpoints:
         checkpoints[model] = make_checkpoint(model, tmp_path_factory.mktemp(model), seed=0)
-    b = "80%" if budget == "resident" else 2 * GiB
+    b = "80%" if budget == "resident" else STREAMED.get(model, 2 * GiB)
     with vmmstream.load_model(checkpoints[model], budget=b, backend="cuda", max_context=PROMPT + NEW + 8,
                               max_batch=max(BATCHES), progress=False) as m:
         rows = [aggregate(m, n) for n in BATCHES]
@@ -71,9 +73,57 @@ def test_bench_batched_decode(benchmark, checkpoints, tmp_path_factory, h2d_gbps
         if streamed:
             r["bound_tok_s"] = r["batch"] * h2d_gbps * 1e9 / streamed
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
-    benchmark.extra_info.update(model=model, budget=budget, strategy=strategy, streamed_bytes_per_step=streamed,
+    benchmark.extra_info.update(model=model, budget=budget if budget == "resident" else f"{b / GiB:g}GiB", strategy=strategy, streamed_bytes_per_step=streamed,
                                 pinned_h2d_GBps=h2d_gbps, rows=rows)
     print(f"\n{model} {budget} ({strategy}): {json.dumps(rows)}")
+
+
+PEER_BATCHES, ACCEL_NEW = (1, 16), 8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", MODELS)
+def test_bench_batched_decode_transformers(benchmark, checkpoints, tmp_path_factory, model):
+    """The peers on the same checkpoint: transformers' batched greedy ``generate`` (resident; B prompts of 16 tokens,
+    64 new) and transformers + accelerate at the streamed row's budget (``max_memory``; 8 new: it is slow), aggregate
+    tokens/s by the wall clock after a warm-up call."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vmmstream.model import make_checkpoint
+    if model not in checkpoints:
+        checkpoints[model] = make_checkpoint(model, tmp_path_factory.mktemp(model), seed=0)
+    path = checkpoints[model]
+    kw = dict(do_sample=False, pad_token_id=0)
+
+    def rate(m, b, new):
+        vocab = m.config.vocab_size
+        ids = torch.tensor([np.random.default_rng(i).integers(3, vocab, PROMPT).tolist() for i in range(b)],
+                           device="cuda:0")
+        m.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        m.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
+        torch.cuda.synchronize()
+        return b * new / (time.perf_counter() - t0)
+
+    info = {"model": model}
+    with torch.no_grad():
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda:0")
+        info["transformers_resident_tok_s"] = {b: rate(hf, b, NEW) for b in PEER_BATCHES}
+        del hf
+        torch.cuda.empty_cache()
+        gib = STREAMED.get(model, 2 * GiB) / GiB
+        acc = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="auto",
+                                                   max_memory={0: f"{gib:g}GiB", "cpu": "96GiB"})
+        torch.cuda.reset_peak_memory_stats()
+        info[f"accelerate_{gib:g}GiB_tok_s"] = {b: rate(acc, b, ACCEL_NEW) for b in PEER_BATCHES}
+        info["accelerate_peak_allocated_GiB"] = torch.cuda.max_memory_allocated() / GiB
+        del acc
+        torch.cuda.empty_cache()
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+    benchmark.extra_info.update(info)
+    print(f"\n{model} peers: {json.dumps(info)}")
 
 
 def test_batch_bench_smoke_on_the_host_backend(tmp_path):
