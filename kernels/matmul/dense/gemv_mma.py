@@ -284,3 +284,7 @@ SIGNATURES = (
        for nt in (2, 4) for hb in (False, True)]
     + [(_make_gate_up(nt).py_func, f"void({_U16}, {_U16}, {_U16}, {_U16}, int64, int64, int64)") for nt in (2, 4)]
 )
+# B = 8 (one n8 tile), the smallest batch this route takes
+SIGNATURES += [(_make(1, False, True).py_func, SIGNATURES[0][1]),
+               (_make_multi(1, False).py_func, SIGNATURES[6][1]),
+               (_make_gate_up(1).py_func, SIGNATURES[-1][1])]
