@@ -199,12 +199,17 @@ def test_batched_decode_of_eight_or_more_on_tensor_cores(driver, tmp_path):
     resident and streamed."""
     from hf_oracle import build_reference
     from vmmstream.kernels.matmul.dense import gemv_mma
+    from vmmstream.loading import plan_walked
+    from vmmstream.model import open_checkpoint
     build_reference("llama", 0, tmp_path, COMMON, [1, 2], 1)
     assert COMMON["hidden_size"] % gemv_mma.KC == 0 and COMMON["intermediate_size"] % gemv_mma.KC == 0
     prompts = [[3 + i, 40 + 7 * i, 9, 100 + i][: 2 + i % 3] for i in range(14)]
     news = [6 + i % 5 for i in range(14)]
-    fits, half, _ = _budgets(tmp_path, driver.granularity())
-    for budget, strategy in ((fits * 2, "resident"), (half, "streamed")):
+    ck = open_checkpoint(tmp_path)       # twelve KV ranges of whole granules: budgets planned for the batch
+    full = plan_walked(ck.config, ck.tensors, 1 << 40, backend="cuda", granularity=driver.granularity(),
+                       max_context=MC, batch=12)
+    for budget, strategy in ((full.floor + full.weight_bytes, "resident"),
+                             (full.floor + full.weight_bytes // 2, "streamed")):
         mem = memory(driver, budget)
         try:
             with vmmstream.load_model(tmp_path, memory=mem, max_context=MC, max_batch=12) as m:
