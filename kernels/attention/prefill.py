@@ -237,6 +237,61 @@ def _vt_store(vt, d, kp, wa, wb):
 _M_BM, _M_BN = 16 * mh.WARPS, 64   # each warp owns 16 query rows; 64-key tiles
 
 
+def _mma_parts(D, BN):
+    """The register-side pieces both tensor-core routes share, for head dim D and BN-key tiles: the Q fragments,
+    the online-softmax update of a tile's scores, and the normalised output."""
+    KQK, NS, NO = D // 16, BN // 8, D // 8
+
+    @cuda.jit(device=True, inline="always")
+    def load_q(q32, qf, r0, h, T, t):
+        """A fragments of Q (rows r0 and r0 + 8 of this lane) for every k16 step."""
+        for kk in range(KQK):
+            for i in range(4):
+                r = r0 + 8 * (i & 1)
+                qf[4 * kk + i] = q32[r, h, kk * 8 + 4 * (i >> 1) + t] if r < T else uint32(0)
+
+    @cuda.jit(device=True, inline="always")
+    def softmax_update(s, o, m0, m1, l0, l1, rscr):
+        """Scores (log2 units) -> p = 2^(s - m) in place, the running max / sum updated and O rescaled."""
+        mx0, mx1 = m0, m1
+        for nt in range(NS):
+            mx0 = max(mx0, max(s[4 * nt], s[4 * nt + 1]))
+            mx1 = max(mx1, max(s[4 * nt + 2], s[4 * nt + 3]))
+        mx0 = mh.quad_max(mx0, rscr)          # key 0 is visible to every row: finite after tile 0
+        mx1 = mh.quad_max(mx1, rscr)
+        a0, a1 = math.exp2(m0 - mx0), math.exp2(m1 - mx1)
+        m0, m1 = mx0, mx1
+        l0 *= a0
+        l1 *= a1
+        for nt in range(NS):                  # scores are in log2 units: p = 2^(s - m)
+            s[4 * nt] = math.exp2(s[4 * nt] - m0)
+            s[4 * nt + 1] = math.exp2(s[4 * nt + 1] - m0)
+            s[4 * nt + 2] = math.exp2(s[4 * nt + 2] - m1)
+            s[4 * nt + 3] = math.exp2(s[4 * nt + 3] - m1)
+            l0 += s[4 * nt] + s[4 * nt + 1]
+            l1 += s[4 * nt + 2] + s[4 * nt + 3]
+        for nt in range(NO):
+            o[4 * nt] *= a0
+            o[4 * nt + 1] *= a0
+            o[4 * nt + 2] *= a1
+            o[4 * nt + 3] *= a1
+        return m0, m1, l0, l1
+
+    @cuda.jit(device=True, inline="always")
+    def store_out(out32, o, l0, l1, r0, h, T, t, rscr):
+        """O / l (l summed over the lane quad) of rows r0 and r0 + 8, as packed bf16."""
+        inv0 = float32(1.0) / mh.quad_sum(l0, rscr)
+        inv1 = float32(1.0) / mh.quad_sum(l1, rscr)
+        r1 = r0 + 8
+        for nt in range(NO):
+            if r0 < T:
+                out32[r0, h, nt * 4 + t] = mh.pack_bf16x2(o[4 * nt] * inv0, o[4 * nt + 1] * inv0)
+            if r1 < T:
+                out32[r1, h, nt * 4 + t] = mh.pack_bf16x2(o[4 * nt + 2] * inv1, o[4 * nt + 3] * inv1)
+
+    return load_q, softmax_update, store_out
+
+
 def _make_mma(D):
     """FlashAttention-2 style: Q fragments and the O accumulator stay in registers for the whole key loop;
     the S accumulator is turned into the A operand of P @ V in place (its C layout matches A's)."""
@@ -252,6 +307,7 @@ def _make_mma(D):
     KREM, VREM = KN % NT != 0, VN % NT != 0   # (head_dim 80: 5 K rounds, 2.5 V rounds)
     MS0, MS1 = mh.SIM_MMA_SCRATCH      # simulator-only scratch (1 x 1 on the GPU)
     RS = mh.SIM_RED_SCRATCH
+    load_q, softmax_update, store_out = _mma_parts(D, BN)
 
     @mh.kernel(NT)
     def fused_mma(q32, k, v, out32, start_pos, n_keys, scale_log2, group):
@@ -269,10 +325,7 @@ def _make_mma(D):
         r0 = q0 + (tid // 32) * 16 + g            # this thread's two query rows: r0 and r0 + 8
         r1 = r0 + 8
         qf = cuda.local.array(QF, uint32)
-        for kk in range(KQK):
-            for i in range(4):
-                r = r0 + 8 * (i & 1)
-                qf[4 * kk + i] = q32[r, h, kk * 8 + 4 * (i >> 1) + t] if r < T else uint32(0)
+        load_q(q32, qf, r0, h, T, t)
         o = cuda.local.array(OF, float32)
         for i in range(OF):
             o[i] = 0.0
@@ -323,28 +376,7 @@ def _make_mma(D):
                 s[4 * nt + 1] = c1 * scale_log2 if kpos + 1 <= qpos0 and kpos + 1 < n_keys else NEG_INF
                 s[4 * nt + 2] = c2 * scale_log2 if kpos <= qpos1 and kpos < n_keys else NEG_INF
                 s[4 * nt + 3] = c3 * scale_log2 if kpos + 1 <= qpos1 and kpos + 1 < n_keys else NEG_INF
-            mx0, mx1 = m0, m1
-            for nt in range(NS):
-                mx0 = max(mx0, max(s[4 * nt], s[4 * nt + 1]))
-                mx1 = max(mx1, max(s[4 * nt + 2], s[4 * nt + 3]))
-            mx0 = mh.quad_max(mx0, rscr)          # key 0 is visible to every row: finite after tile 0
-            mx1 = mh.quad_max(mx1, rscr)
-            a0, a1 = math.exp2(m0 - mx0), math.exp2(m1 - mx1)
-            m0, m1 = mx0, mx1
-            l0 *= a0
-            l1 *= a1
-            for nt in range(NS):                  # scores are in log2 units: p = 2^(s - m)
-                s[4 * nt] = math.exp2(s[4 * nt] - m0)
-                s[4 * nt + 1] = math.exp2(s[4 * nt + 1] - m0)
-                s[4 * nt + 2] = math.exp2(s[4 * nt + 2] - m1)
-                s[4 * nt + 3] = math.exp2(s[4 * nt + 3] - m1)
-                l0 += s[4 * nt] + s[4 * nt + 1]
-                l1 += s[4 * nt + 2] + s[4 * nt + 3]
-            for nt in range(NO):
-                o[4 * nt] *= a0
-                o[4 * nt + 1] *= a0
-                o[4 * nt + 2] *= a1
-                o[4 * nt + 3] *= a1
+            m0, m1, l0, l1 = softmax_update(s, o, m0, m1, l0, l1, rscr)
             for kk in range(KPV):                 # O += P V, P from S's registers (C layout == A layout)
                 pa0 = mh.pack_bf16x2(s[8 * kk], s[8 * kk + 1])
                 pa1 = mh.pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3])
@@ -355,13 +387,7 @@ def _make_mma(D):
                         pa0, pa1, pa2, pa3,
                         vt[nt * 8 + g, kk * 8 + t], vt[nt * 8 + g, kk * 8 + 4 + t],
                         o[4 * nt], o[4 * nt + 1], o[4 * nt + 2], o[4 * nt + 3], mscr)
-        inv0 = float32(1.0) / mh.quad_sum(l0, rscr)
-        inv1 = float32(1.0) / mh.quad_sum(l1, rscr)
-        for nt in range(NO):
-            if r0 < T:
-                out32[r0, h, nt * 4 + t] = mh.pack_bf16x2(o[4 * nt] * inv0, o[4 * nt + 1] * inv0)
-            if r1 < T:
-                out32[r1, h, nt * 4 + t] = mh.pack_bf16x2(o[4 * nt + 2] * inv1, o[4 * nt + 3] * inv1)
+        store_out(out32, o, l0, l1, r0, h, T, t, rscr)
 
     return fused_mma
 
@@ -388,6 +414,7 @@ def _make_mma_async(D):
     QF, OF, SF = 4 * KQK, 4 * NO, 4 * NS
     MS0, MS1 = mh.SIM_MMA_SCRATCH
     RS, LS = mh.SIM_RED_SCRATCH, mh.SIM_LDM_SCRATCH
+    load_q, softmax_update, store_out = _mma_parts(D, BN)
     ZERO = uint32(0)
     A16 = la.SHARED_ALIGN16
 
@@ -424,10 +451,7 @@ def _make_mma_async(D):
         r0 = w0 + g                                   # this thread's two query rows: r0 and r0 + 8
         r1 = r0 + 8
         qf = cuda.local.array(QF, uint32)
-        for kk in range(KQK):
-            for i in range(4):
-                r = r0 + 8 * (i & 1)
-                qf[4 * kk + i] = q32[r, h, kk * 8 + 4 * (i >> 1) + t] if r < T else uint32(0)
+        load_q(q32, qf, r0, h, T, t)
         o = cuda.local.array(OF, float32)
         for i in range(OF):
             o[i] = 0.0
@@ -467,28 +491,7 @@ def _make_mma_async(D):
                         s[4 * nt + 2] = NEG_INF
                     if kpos + 1 > qpos1 or kpos + 1 >= n_keys:
                         s[4 * nt + 3] = NEG_INF
-            mx0, mx1 = m0, m1
-            for nt in range(NS):
-                mx0 = max(mx0, max(s[4 * nt], s[4 * nt + 1]))
-                mx1 = max(mx1, max(s[4 * nt + 2], s[4 * nt + 3]))
-            mx0 = mh.quad_max(mx0, rscr)              # key 0 is visible to every row: finite after tile 0
-            mx1 = mh.quad_max(mx1, rscr)
-            a0, a1 = math.exp2(m0 - mx0), math.exp2(m1 - mx1)
-            m0, m1 = mx0, mx1
-            l0 *= a0
-            l1 *= a1
-            for nt in range(NS):
-                s[4 * nt] = math.exp2(s[4 * nt] - m0)
-                s[4 * nt + 1] = math.exp2(s[4 * nt + 1] - m0)
-                s[4 * nt + 2] = math.exp2(s[4 * nt + 2] - m1)
-                s[4 * nt + 3] = math.exp2(s[4 * nt + 3] - m1)
-                l0 += s[4 * nt] + s[4 * nt + 1]
-                l1 += s[4 * nt + 2] + s[4 * nt + 3]
-            for nt in range(NO):
-                o[4 * nt] *= a0
-                o[4 * nt + 1] *= a0
-                o[4 * nt + 2] *= a1
-                o[4 * nt + 3] *= a1
+            m0, m1, l0, l1 = softmax_update(s, o, m0, m1, l0, l1, rscr)
             _wait_all()
             cuda.syncthreads()                        # V(k0) has landed; every warp is done reading K
             if k0 + BN < last:
@@ -505,13 +508,7 @@ def _make_mma_async(D):
                         pa0, pa1, pa2, pa3, b0, b1, o[8 * p], o[8 * p + 1], o[8 * p + 2], o[8 * p + 3], mscr)
                     o[8 * p + 4], o[8 * p + 5], o[8 * p + 6], o[8 * p + 7] = mh.mma_bf16_16816(
                         pa0, pa1, pa2, pa3, b2, b3, o[8 * p + 4], o[8 * p + 5], o[8 * p + 6], o[8 * p + 7], mscr)
-        inv0 = float32(1.0) / mh.quad_sum(l0, rscr)
-        inv1 = float32(1.0) / mh.quad_sum(l1, rscr)
-        for nt in range(NO):
-            if r0 < T:
-                out32[r0, h, nt * 4 + t] = mh.pack_bf16x2(o[4 * nt] * inv0, o[4 * nt + 1] * inv0)
-            if r1 < T:
-                out32[r1, h, nt * 4 + t] = mh.pack_bf16x2(o[4 * nt + 2] * inv1, o[4 * nt + 3] * inv1)
+        store_out(out32, o, l0, l1, r0, h, T, t, rscr)
 
     return fused_mma_async
 
