@@ -1,0 +1,79 @@
+"""``vmmstream serve --max-batch`` on CUDA under load: 32 streaming clients through 4 batch slots, every answer the
+model's alone; the budget holds by the authority's count and by the device's own (``cuMemGetInfo``), sampled
+while the requests run."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from chat_fixture import make_chat_checkpoint
+
+import vmmstream
+from vmmstream.memory import DeviceMemory
+from vmmstream.server.batch_engine import BatchSequenceEngine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from test_serve import NAME, Live, wait_idle  # noqa: E402  (the server harness of the host tests)
+
+pytestmark = pytest.mark.gpu
+
+BUDGET = 96 << 20
+PROMPTS = ["Once upon a time", "The weather today", "Hello there", "A story about"]
+
+
+def test_batched_server_under_load_keeps_the_budget_by_the_device_count(tmp_path):
+    from vmmstream.driver.cuda import CudaDriver
+    driver = CudaDriver()
+    path = make_chat_checkpoint(tmp_path / NAME)
+    mem = DeviceMemory(driver, BUDGET)
+    try:
+        with vmmstream.load_model(path, memory=mem, max_context=256, max_batch=4) as m:
+            prompts = [f"{p} {i}" for i in range(2) for p in PROMPTS]
+            want = {(i, sd): m.generate(p, 8, temperature=0.7, seed=sd) for i, p in enumerate(prompts)
+                    for sd in range(4)}
+            m.generate(prompts[:4], 8, temperature=0.7, seed=[0, 1, 2, 3])     # every batch kernel loaded
+            free0, _ = driver.mem_get_info()
+            committed0 = mem.snapshot()["committed"]
+            live = Live(m, engine=BatchSequenceEngine(m), max_queue=64, queue_timeout=60.0)
+            got, errors, samples, done = {}, [], [], threading.Event()
+
+            def sample():
+                while not done.is_set():
+                    free, _ = driver.mem_get_info()
+                    samples.append((free0 - free, mem.snapshot()["committed"]))
+                    time.sleep(0.002)
+            try:
+                c = live.client()
+
+                def ask(i, sd):
+                    try:
+                        chunks = c.completions.create(model=NAME, prompt=prompts[i], max_tokens=8, temperature=0.7,
+                                                      seed=sd, stream=True)
+                        got[(i, sd)] = "".join(ch.choices[0].text for ch in chunks)
+                    except Exception as e:   # noqa: BLE001 - reported below
+                        errors.append(e)
+                watcher = threading.Thread(target=sample, daemon=True)
+                watcher.start()
+                threads = [threading.Thread(target=ask, args=key) for key in want]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(120)
+                wait_idle(live, 30.0)
+            finally:
+                done.set()
+                live.stop()
+            assert not errors and got == want
+            assert live.engine.inner._dec.peak == 4
+            snap = mem.snapshot()
+            assert snap["peak_committed"] <= BUDGET and snap["committed"] == committed0
+            # the device's own count: what the batch added on top of the warmed-up model stays within what the
+            # budget had left (KV pages come and go; nothing is allocated outside the governed pool)
+            grew = max(g for g, _ in samples)
+            assert samples and grew <= BUDGET - committed0, (grew, BUDGET - committed0)
+    finally:
+        mem.close()
