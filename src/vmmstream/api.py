@@ -397,7 +397,7 @@ class Model:
             "graph_captures": c["graph_captures"], "graph_replays": c["graph_replays"],
             "prefill_graph_captures": c["prefill_graph_captures"], "prefill_graph_replays": c["prefill_graph_replays"],
             "batch_graph_captures": c["batch_graph_captures"], "batch_graph_replays": c["batch_graph_replays"],
-            "eager_steps": c["eager_steps"],
+            "eager_steps": c["eager_steps"], "packed_prefills": c["packed_prefills"],
             "graph_nodes": {str(k): g.node_count for k, g in self.engine.graphs.items()},
             "page_ins": c["page_ins"], "page_in_bytes": c["page_in_bytes"],
             "streamed_bytes_per_token": p.streamed_bytes_per_token,

@@ -49,17 +49,22 @@ def generate_many(model, prompts, max_new_tokens, *, eos_token_id, stop, return_
         try:
             waiting = list(range(len(reqs)))
             while waiting or dec.active():
-                while waiting and dec.free_slots():            # joins between steps
-                    i, r = waiting[0], reqs[waiting[0]]
+                while waiting and dec.free_slots():            # joins between steps, prefilled together
+                    take = waiting[:dec.free_slots()]
                     try:
-                        seqs[i] = dec.add(r.ids, r.max_new_tokens, stop=r.eos, return_logits=r.return_logits,
-                                          sampling=r.sampling, seed=r.seed)
+                        joined = dec.add_many([(reqs[i].ids, reqs[i].max_new_tokens,
+                                                dict(stop=reqs[i].eos, return_logits=reqs[i].return_logits,
+                                                     sampling=reqs[i].sampling, seed=reqs[i].seed)) for i in take])
                     except CapacityError:
                         if not dec.active():                    # nothing will leave to make room
                             raise
                         break                                   # joins once a sequence leaves
-                    waiting.pop(0)
-                    feed(dec, i)
+                    if not joined:
+                        break
+                    for i, q in zip(take, joined):
+                        seqs[i] = q
+                        waiting.remove(i)
+                        feed(dec, i)
                 dec.step()
                 for i in range(len(reqs)):
                     feed(dec, i)

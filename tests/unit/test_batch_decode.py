@@ -91,6 +91,30 @@ def test_a_mixture_of_experts_batch_gives_each_sequence_its_own_tokens(tmp_path,
             assert np.max(np.abs(logits[:k] - want_logits)) <= 1e-3 * scale
 
 
+def test_joining_prompts_prefill_together_streaming_each_weight_once(ckpt):
+    """Three prompts that join together take one walk through the layers: streamed, the weights are copied once
+    for the three (not once per prompt); each still gets its own first tokens, sampled ones their own draws."""
+    _, half = _budgets(ckpt, 3)
+    mem, m = _load(ckpt, half, max_batch=3)
+    try:
+        assert m.plan.strategy == "streamed"
+        prompts, seeds = PROMPTS[:3], [4, 5, 6]
+        alone = [m.generate(p, 6, eos_token_id=[]) for p in prompts]
+        drawn = [m.generate(p, 6, eos_token_id=[], temperature=0.8, top_k=20, seed=sd) for p, sd in zip(prompts, seeds)]
+        before = m.stats()
+        together = m.generate(prompts, 1, eos_token_id=[])
+        after = m.stats()
+        sampled = m.generate(prompts, 6, eos_token_id=[], temperature=0.8, top_k=20, seed=seeds)
+        greedy = m.generate(prompts, 6, eos_token_id=[])
+    finally:
+        m.close()
+        mem.close()
+    assert after["packed_prefills"] - before["packed_prefills"] == 1
+    assert after["page_ins"] - before["page_ins"] == len(m.plan.streamed)      # one pass for the three prompts
+    assert [t[0] for t in together] == [a[0] for a in alone]
+    assert greedy == alone and sampled == drawn
+
+
 def test_sequences_stop_at_their_own_stop_ids_and_the_batch_goes_on(ckpt):
     resident, _ = _budgets(ckpt, 4)
     mem, m = _load(ckpt, resident, max_batch=4)

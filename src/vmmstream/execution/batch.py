@@ -20,9 +20,11 @@ the new tokens.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
-from ..errors import ContextLengthError, VmmstreamError
+from ..errors import CapacityError, ContextLengthError, VmmstreamError
 
 
 class Sequence:
@@ -104,6 +106,117 @@ class BatchDecoder:
         if seq.done:                         # its first token ended it: it leaves at once
             self.finish(seq)
         return seq
+
+    def add_many(self, requests) -> list[Sequence]:
+        """Several joins at once: ``requests`` are ``(ids, max_new_tokens, kwargs of add)``, taken in order while
+        slots are free and pages can be committed (the first refusal ends the list; with none joined it is
+        raised). Their prompts are prefilled together (``packable``): one walk through the layers over all their
+        tokens, so each weight is read — or, streamed, copied — once for the group instead of once per prompt;
+        each prompt attends over its own slot and gets the first token it gets alone. Otherwise one by one."""
+        reqs = list(requests)
+        if not self.packable(reqs):
+            out: list[Sequence] = []
+            for ids, m, kw in reqs:
+                if not self.free_slots():
+                    break
+                try:
+                    out.append(self.add(ids, m, **kw))
+                except CapacityError:
+                    if out:
+                        break
+                    raise
+            return out
+        e, kv = self.e, self.kv
+        group: list[Sequence] = []
+        try:
+            for ids, m, kw in reqs:
+                s = next((i for i, q in enumerate(self.slots) if q is None), None)
+                if s is None or (group and sum(q.n for q in group) + len(ids) > e.acts.tmax):
+                    break
+                n = len(ids)
+                if n < 1 or m < 1 or n + m > kv.max_context:
+                    raise ContextLengthError(f"a prompt of {n} tokens + {m} new needs 1 to {kv.max_context} "
+                                             "positions (max_context)", requested=n + m, max_context=kv.max_context)
+                try:
+                    kv.ensure(s, n + m)
+                except BaseException:
+                    kv.release(s)
+                    if group and isinstance(sys.exc_info()[1], CapacityError):
+                        break                      # the ones committed so far join; this one waits
+                    raise
+                seq = Sequence(s, n, m, kw.get("stop", frozenset()), kw.get("return_logits", False),
+                               kw.get("sampling"), kw.get("seed", 0))
+                seq.ids = list(ids)
+                self.slots[s] = seq
+                group.append(seq)
+            if not group:
+                return []
+            self._prefill_packed(group)
+        except BaseException:
+            for q in group:
+                self.slots[q.slot] = None
+                kv.release(q.slot)
+            raise
+        for q in group:
+            del q.ids
+            if q.done:
+                self.finish(q)
+        return group
+
+    def packable(self, reqs) -> bool:
+        """Whether these joins may prefill together: more than one, a dense model whose prefill attention needs
+        no step workspace (the fused routes), and prompts that fit one walk of the activation buffers."""
+        e = self.e
+        return (len(reqs) > 1 and not e.config.is_moe and not e.plan.workspace["step"]
+                and all(0 < len(ids) <= e.acts.tmax for ids, _, _ in reqs))
+
+    def _prefill_packed(self, group) -> None:
+        """One eager walk over the prompts of ``group`` (each in its own slot), then each one's first token: greedy
+        rows by argmax, sampled rows drawn with their own Philox stream at offset 0 (as alone)."""
+        e, kv, d = self.e, self.kv, self.e.driver
+        k = len(group)
+        ids = np.concatenate([np.asarray(q.ids, np.int32) for q in group])
+        pos = np.concatenate([np.arange(q.n, dtype=np.int32) for q in group])
+        prow = np.concatenate([kv.row(q.slot, 0) + np.arange(q.n, dtype=np.int32) for q in group])
+        ends = np.cumsum([q.n for q in group]).astype(np.int32)
+        t = int(ends[-1])
+        packed = [(kv.slot(q.slot), int(r0), q.n) for q, r0 in zip(group, ends - [q.n for q in group])]
+        e._h2d(e.acts.addr("ids"), "ids", ids)
+        e._h2d(e.acts.addr("pos"), "pos", pos)
+        e._h2d(e.acts.addr("prow"), "prow", prow)
+        last = e._host("tokens", np.int32, k)
+        last[:] = ends - 1
+        d.memcpy_htod_async(e.acts.addr("inp"), last.ctypes.data, 4 * k, e.S)
+        sampled = [(j, q) for j, q in enumerate(group) if q.sampling is not None]
+        if sampled:
+            from vmmstream.kernels.ops.sampling import make_rng_state
+            rng = e._host("rngrows", np.uint64, 4 * k)
+            for j, q in sampled:
+                rng[4 * j:4 * j + 4] = make_rng_state(q.seed, 0)
+            d.memcpy_htod_async(e.acts.addr("rng_rows"), rng.ctypes.data, 32 * k, e.S)
+        st, a = e.step, e.acts.views(k)
+
+        def enqueue():
+            st.streamer.begin(timed=True)
+            st.body(t, decode=False, start_pos=0, last=a.inp, kv=kv.view(kv.slots), packed=packed)
+            st.streamer.end()
+            st.ops.argmax(st.S, a.logits, a.next, st.ws_session)
+            for j, q in sampled:
+                temperature, top_k, top_p = q.sampling
+                st.ops.sample(st.S, e.acts.rows("logits", j, 1), e.acts.row("next", j), e.acts.row("rng_rows", j),
+                              temperature, top_k, top_p)
+        e._eager(enqueue)
+        e.counters["prefill_tokens"] += t
+        e.counters["packed_prefills"] += 1
+        nxt = e._host("tokens", np.int32, k)
+        d.memcpy_dtoh_async(nxt.ctypes.data, e.acts.addr("next"), 4 * k, e.S)
+        logits = None
+        if any(q.logits is not None for q in group):
+            logits = np.empty((k, e.config.vocab_size), np.float32)
+            d.memcpy_dtoh_async(logits.ctypes.data, e.acts.addr("logits"), logits.nbytes, e.S)
+        d.stream_synchronize(e.S)
+        for j, q in enumerate(group):
+            q._take(int(nxt[j]), None if logits is None or q.logits is None else logits[j].copy())
 
     def step(self) -> list[tuple[Sequence, int]]:
         """One greedy decode step of every active sequence; returns (sequence, new token) pairs. Sequences that

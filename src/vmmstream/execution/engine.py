@@ -67,7 +67,7 @@ class Engine:
                              page_ins=0, page_in_bytes=0, h2d_ms=0.0, h2d_timed_bytes=0, decode_ms=0.0,
                              decode_timed_tokens=0, vmm_calls_decode=0, graph_captures=0, graph_replays=0,
                              prefill_graph_captures=0, prefill_graph_replays=0, batch_graph_captures=0,
-                             batch_graph_replays=0)
+                             batch_graph_replays=0, packed_prefills=0)
         self.ops = self.S = self.C = None
         self.weights = self.kv = self.acts = self.ws_session = None
         self.streamer = self.step = None
@@ -98,7 +98,7 @@ class Engine:
         self.ws_session = placement.ws_session
         tmax = self.acts.tmax
         lay, off = {}, 0
-        for name, n in (("ids", 4 * tmax), ("pos", 4 * tmax), ("scalars", 16), ("rng", 32),
+        for name, n in (("ids", 4 * tmax), ("pos", 4 * tmax), ("prow", 4 * tmax), ("scalars", 16), ("rng", 32),
                         ("inv_freq", 2 * c.head_dim), ("tokens", 4 * max(plan.max_context, plan.batch)),
                         ("logits", 4 * c.vocab_size), ("state", 16 * plan.batch), ("rngrows", 32 * plan.batch)):
             lay[name] = off

@@ -48,6 +48,7 @@ class Activations:
             "attn": ((qd,), np.uint16, True), "q": ((qd,), np.uint16, True), "k": ((kvd,), np.uint16, True),
             "v": ((kvd,), np.uint16, True), "gate": ((inter,), np.uint16, True), "up": ((inter,), np.uint16, "sub"),
             "ids": ((), np.int32, True), "pos": ((), np.int32, True),
+            "prow": ((), np.int32, True),            # a packed prefill's KV cache row of each token
             # decode state, one row per sequence of a batch (a one-sequence step uses row 0)
             "logits": ((v,), np.float32, "batch"),
             "next": ((), np.int32, "batch"), "inp": ((), np.int32, "batch"),
@@ -177,21 +178,25 @@ class Step:
         launch()
         self.streamer.after(names)
 
-    def body(self, t: int, *, decode: bool, start_pos: int = 0, ws_step=None, last=None, kv=None) -> None:
+    def body(self, t: int, *, decode: bool, start_pos: int = 0, ws_step=None, last=None, kv=None,
+             packed=None) -> None:
         """Embedding, every layer and the logits of the last token, for ``t`` tokens. ``last`` (prefill): a device
         int32[1] holding the row whose logits are wanted (a padded prompt's last real row), else row t - 1.
         ``kv`` (a batch's decode, ``t`` sequences): the cache to use instead of the step's own; token b's K and V go
-        to row ``rows[b]`` of its flat cache, and each row's logits are computed."""
+        to row ``rows[b]`` of its flat cache, and each row's logits are computed.
+        ``packed`` (with ``kv``, a prefill): several prompts in one walk, ``[(slot cache, first row, tokens), ...]``:
+        token i's K and V go to row ``prow[i]`` of the flat cache, each prompt attends over its own slot, and
+        ``last`` holds one row per prompt whose logits are wanted (rows of ``logits``)."""
         self._ws_step = ws_step
         kv_of, batched = self.kv, kv is not None
         if batched:
             self.kv = kv
         try:
-            self._body(t, decode, start_pos, ws_step, last, batched)
+            self._body(t, decode, start_pos, ws_step, last, batched, packed)
         finally:
             self.kv = kv_of
 
-    def _body(self, t, decode, start_pos, ws_step, last, batched) -> None:
+    def _body(self, t, decode, start_pos, ws_step, last, batched, packed=None) -> None:
         o, S, c, W = self.ops, self.S, self.c, self.w.array
         a = self.acts.views(t)
         ids, pos = (a.inp, a.positions) if decode else (a.ids, a.pos)
@@ -218,9 +223,11 @@ class Step:
                 self._use([qn, kn], lambda: (o.rmsnorm(S, a.qh, W(qn), a.qh, self.eps),
                                              o.rmsnorm(S, a.kh, W(kn), a.kh, self.eps)))
             o.rope_kv_append(S, a.q3, a.k3, a.v3, self.kv.k(layer), self.kv.v(layer), pos, a.inv_freq,
-                             self.rope_scale, rows=a.rows if batched else None)
+                             self.rope_scale, rows=(a.prow if packed else a.rows) if batched else None)
             if decode:
                 o.attn_decode(S, a.q3, self.kv.k4(layer), self.kv.v4(layer), a.lens, a.attn3, self.ws_session)
+            elif packed:
+                self._attn_packed(layer, packed)
             elif ws_step is None or t <= self.acts.sub:
                 o.attn_prefill(S, a.q3, self.kv.k(layer), self.kv.v(layer), a.attn3, ws_step, start_pos)
             else:                   # materialized scores: the step workspace holds a sub-chunk's
@@ -238,13 +245,21 @@ class Step:
             self._use([nxt], lambda: o.rmsnorm(S, a.proj, W(nxt), a.xn, self.eps, residual=a.x))
         if decode:
             row = a.xn
-        elif last is not None:          # gather the wanted row into the (free by now) projection buffer
-            row = self.acts.views(1).proj
+        elif last is not None:          # gather the wanted rows into the (free by now) projection buffer
+            row = self.acts.views(last.shape[0]).proj
             o.embedding(S, a.xn, last, row)
         else:
             row = a.xn_last
-        logits = a.logits if decode else self.acts.views(1).logits
+        logits = a.logits if decode else self.acts.views(1 if last is None else last.shape[0]).logits
         self._use([self.head], lambda: o.gemv(S, W(self.head), row, logits))
+
+    def _attn_packed(self, layer: int, packed) -> None:
+        """Causal prefill attention of each packed prompt over its own slot's cache (it starts at position 0)."""
+        hq, d = self.c.num_attention_heads, self.c.head_dim
+        for slot_kv, r0, n in packed:
+            q = self.acts.rows("q", r0, n, (hq, d))
+            out = self.acts.rows("attn", r0, n, (hq, d))
+            self.ops.attn_prefill(self.S, q, slot_kv.k(layer), slot_kv.v(layer), out, None, 0)
 
     def _attn_in_parts(self, layer: int, t: int, start_pos: int, ws) -> None:
         """Causal prefill attention of a walk, ``sub`` query rows at a time (each sees the keys before it)."""

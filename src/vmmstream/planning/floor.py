@@ -71,7 +71,7 @@ def activation_bytes(config, max_context: int, batch: int, granularity: int,
     output (``Hq · head_dim`` each: wider than hidden where ``Hq · head_dim > hidden``), k and v (``Hkv · head_dim``
     each) and an MLP-sized gate; two more MLP-sized buffers (up and a margin) for ``min(T, PREFILL_SUB)`` tokens
     (a dense walk computes up and silu(gate)·up in parts; a mixture of experts for all T); plus fp32 logits for one position per sequence
-    (``vocab · 4 · batch``), int32 token ids and positions (``8 · T · batch``), the int32 output tokens
+    (``vocab · 4 · batch``), int32 token ids, positions and cache rows (``12 · T · batch``), the int32 output tokens
     (``4 · max_context``), the RoPE table and the alignment of every buffer. Decode uses a prefix of the same
     buffers (T = 1). The MLP width is the widest of the dense, routed-expert and shared-expert intermediate
     sizes; a mixture of experts adds fp32 router logits (``4 · experts``), an fp32 accumulator of the routed experts' outputs (``4 · hidden``), the
@@ -90,7 +90,7 @@ def activation_bytes(config, max_context: int, batch: int, granularity: int,
         k = config.num_experts_per_tok
         per_token += 4 * experts + 4 * config.hidden_size + 12 * k + 4 + 4 * k * config.hidden_size
     rows = max(t, batch)           # a batch's decode step uses a prefix of the walk's buffers, one row a sequence
-    raw = rows * (per_token + 8) + max(sub, min(batch, t)) * BF16 * 2 * width + batch * config.vocab_size * 4
+    raw = rows * (per_token + 12) + max(sub, min(batch, t)) * BF16 * 2 * width + batch * config.vocab_size * 4
     raw += 4 * max_context + 52 * batch + 2 * config.head_dim + _BUFFERS * _ALIGN   # output tokens, decode state
     # per sequence, RoPE table, alignment
     if experts:     # expert location table, routing counts, decode counters
