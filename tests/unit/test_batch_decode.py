@@ -115,6 +115,32 @@ def test_joining_prompts_prefill_together_streaming_each_weight_once(ckpt):
     assert greedy == alone and sampled == drawn
 
 
+def test_a_join_the_memory_refuses_leaves_the_others_joined(ckpt, monkeypatch):
+    """Three prompts join together; the third one's pages are refused: the first two still join (and prefill
+    together), the third joins at the next try, and every answer is its own."""
+    from vmmstream.errors import CapacityError
+    resident, _ = _budgets(ckpt, 3)
+    mem, m = _load(ckpt, resident, max_batch=3)
+    try:
+        alone = [m.generate(p, 6, eos_token_id=[]) for p in PROMPTS[:3]]
+        kv = m.placement.batch_kv
+        ensure, calls = kv.ensure, []
+
+        def refuse_the_third(s, positions):
+            calls.append(s)
+            if len(calls) == 3:
+                raise CapacityError("held elsewhere", requested=positions, budget=0)
+            return ensure(s, positions)
+        monkeypatch.setattr(kv, "ensure", refuse_the_third)
+        before = m.stats()["packed_prefills"]
+        got = m.generate(PROMPTS[:3], 6, eos_token_id=[])
+        packed = m.stats()["packed_prefills"] - before
+    finally:
+        m.close()
+        mem.close()
+    assert got == alone and len(calls) == 4 and packed == 1
+
+
 def test_sequences_stop_at_their_own_stop_ids_and_the_batch_goes_on(ckpt):
     resident, _ = _budgets(ckpt, 4)
     mem, m = _load(ckpt, resident, max_batch=4)

@@ -51,6 +51,13 @@ class Paced:
     def __init__(self, inner):
         self.inner, self.delay, self.refuse, self.break_step = inner, 0.0, None, None
         self.max_batch, self.max_context = inner.max_batch, inner.max_context
+        if hasattr(inner, "add_many"):     # an engine that starts several at once keeps doing so
+            self.add_many = self._add_many
+
+    def _add_many(self, prepared):
+        if self.refuse is not None:
+            raise self.refuse
+        return self.inner.add_many(prepared)
 
     def prepare(self, params):
         return self.inner.prepare(params)

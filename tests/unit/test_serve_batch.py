@@ -111,6 +111,38 @@ def test_sixty_four_streaming_clients_on_the_batched_server(batch_model):
         wait_idle(live)
         assert not errors and got == want
         assert live.engine.inner._dec.peak == 4 and kv.committed() == 0
+        assert m.stats()["packed_prefills"] > 0          # requests admitted together were prefilled together
+    finally:
+        live.stop()
+
+
+def test_requests_a_group_start_leaves_out_start_next(batch_model, monkeypatch):
+    """When a group start takes only some of the admitted requests (the rest did not fit its walk, or their pages
+    were refused), the others go back to the front of the queue and start next, in order."""
+    m = batch_model
+    want = [m.generate(p, 6, temperature=0.0) for p in PROMPTS]
+    engine = BatchSequenceEngine(m)
+    whole, sizes = engine.add_many, []
+
+    def first_two(prepared):
+        sizes.append(len(prepared))
+        return whole(prepared[:2])
+    monkeypatch.setattr(engine, "add_many", first_two)
+    live = Live(m, engine=engine, max_queue=16, queue_timeout=10.0)
+    try:
+        c = live.client()
+        with live.limits(delay=0.05):            # slow steps: the four requests queue up and are admitted together
+            got, threads = [None] * len(PROMPTS), []
+            for i, p in enumerate(PROMPTS):
+                def ask(i=i, p=p):
+                    got[i] = c.completions.create(model=NAME, prompt=p, max_tokens=6, temperature=0.0).choices[0].text
+                threads.append(threading.Thread(target=ask))
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+        wait_idle(live)
+        assert got == want and max(sizes) > 2          # a group of more than two was admitted and split
     finally:
         live.stop()
 

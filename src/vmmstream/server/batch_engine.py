@@ -56,7 +56,21 @@ class BatchSequenceEngine:
         with m._lock:
             m._take_engine(batch=True)
             b = self._decoder().add(r.ids, r.max_new_tokens, stop=r.eos, sampling=r.sampling, seed=r.seed)
-        text = TokenText(m.tokenizer, r.stop) if m.tokenizer is not None else None
+        return self._joined(b, r)
+
+    def add_many(self, prepared: list[Prepared]):
+        """Start several at once, their prompts prefilled together (``BatchDecoder.add_many``): the started ones,
+        in order, each as ``add`` returns it; those after the first that could not join are not started
+        (``CapacityError`` when none could)."""
+        m, rs = self.model, [p.payload for p in prepared]
+        with m._lock:
+            m._take_engine(batch=True)
+            bs = self._decoder().add_many([(r.ids, r.max_new_tokens, dict(stop=r.eos, sampling=r.sampling,
+                                                                           seed=r.seed)) for r in rs])
+        return [self._joined(b, r) for b, r in zip(bs, rs)]
+
+    def _joined(self, b, r):
+        text = TokenText(self.model.tokenizer, r.stop) if self.model.tokenizer is not None else None
         seq = Sequence((b, text))
         tokens, finish = self._hand_out(seq, b.tokens)
         return seq, tokens, finish

@@ -231,8 +231,11 @@ class Scheduler:
                     admit = [] if self._wait_for_finish else self._admissible()
                 for job in gone:
                     self._end(job, "cancelled", cancel=True)
-                for job in admit:
-                    self._start(job)
+                if len(admit) > 1 and hasattr(self.engine, "add_many"):
+                    self._start_many(admit)          # their prompts prefilled together
+                else:
+                    for job in admit:
+                        self._start(job)
                 if self._active:
                     self._step()
         except BaseException as exc:         # a bug in the loop itself: fail everything, refuse from now on
@@ -274,22 +277,64 @@ class Scheduler:
         try:
             seq, tokens, finish = self.engine.add(job.prepared)
         except CapacityError as exc:
-            with self._cond:
-                if self._active:             # memory frees when a running sequence ends: wait for that
-                    job.state = QUEUED
-                    self._queue.appendleft(job)
-                    self._wait_for_finish = True
-                    self._gauges()
-                    return
-                job.state = DONE
-            job._resolve(self._rejected(Rejected(429, "capacity", f"the model's memory cannot hold this request "
-                                                 f"now: {exc}", retry_after=self._retry_after())))
+            self._refused(job, exc)
             return
         except Exception as exc:
             with self._cond:
                 job.state = DONE
             job._resolve(exc)
             return
+        self._started(job, seq, tokens, finish, t0)
+
+    def _start_many(self, jobs: list[Job]) -> None:
+        """Start ``jobs`` with one ``add_many``: the ones it started run; the rest go back to the front of the
+        queue, in order (tried again at once; a capacity refusal of the first waits as ``_start``'s does)."""
+        with self._cond:
+            for job in jobs:
+                if job.cancelled:
+                    job.state = DONE
+            jobs = [j for j in jobs if not j.cancelled]
+        if not jobs:
+            return
+        t0 = time.monotonic()
+        try:
+            started = self.engine.add_many([j.prepared for j in jobs])
+        except CapacityError as exc:
+            for job in reversed(jobs[1:]):
+                self._requeue(job)
+            self._refused(jobs[0], exc)
+            return
+        except Exception as exc:
+            with self._cond:
+                for job in jobs:
+                    job.state = DONE
+            for job in jobs:
+                job._resolve(exc)
+            return
+        for job in reversed(jobs[len(started):]):
+            self._requeue(job)
+        for job, (seq, tokens, finish) in zip(jobs, started):
+            self._started(job, seq, tokens, finish, t0)
+
+    def _requeue(self, job: Job) -> None:
+        with self._cond:
+            job.state = QUEUED
+            self._queue.appendleft(job)
+            self._gauges()
+
+    def _refused(self, job: Job, exc: CapacityError) -> None:
+        with self._cond:
+            if self._active:             # memory frees when a running sequence ends: wait for that
+                job.state = QUEUED
+                self._queue.appendleft(job)
+                self._wait_for_finish = True
+                self._gauges()
+                return
+            job.state = DONE
+        job._resolve(self._rejected(Rejected(429, "capacity", f"the model's memory cannot hold this request "
+                                             f"now: {exc}", retry_after=self._retry_after())))
+
+    def _started(self, job: Job, seq, tokens, finish, t0: float) -> None:
         job.seq, job.started_at = seq, t0
         with self._cond:
             self._active[seq] = job
