@@ -7,7 +7,8 @@
     dec.finish(seq)                       # or it leaves by itself at its stop id / max_new_tokens
 
 ``add`` may be called between any two steps (continuous batching): a joining sequence's prefill runs eagerly in
-its own slot, with that slot's cache views. A sequence's KV pages are committed when it joins — for its prompt and
+its own slot, with that slot's cache views. ``add_many`` joins several at once and prefills them in one walk (each
+weight read once for the group; each prompt's attention over its own slot). A sequence's KV pages are committed when it joins — for its prompt and
 every token it may produce, so a step never maps any — and unmapped when it leaves; a join whose pages cannot be
 committed raises (``CapacityError`` from the memory authority) with nothing of it left mapped. The decode state (last token, position,
 length and KV row of each slot) lives on the host and is uploaded before each step; the step runs the first
