@@ -40,17 +40,22 @@ def main() -> None:
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     m.generate(ids, 1, eos_token_id=[])
                     torch.cuda.synchronize()
-                rows = {}
-                for e in prof.events():
-                    if e.device_type.name != "CUDA":
-                        continue
-                    k = e.name[:90]
-                    t, c = rows.get(k, (0.0, 0))
-                    rows[k] = (t + e.device_time_total if hasattr(e, "device_time_total") else t + e.cuda_time, c + 1)
-                total = sum(t for t, _ in rows.values())
-                print(f"\n== {name} {budget} prompt {n}: wall {wall * 1e3:.1f} ms, device sum {total / 1e3:.1f} ms")
-                for k, (t, c) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:25]:
-                    print(f"{t / 1e3:9.2f} ms {c:6d}x  {k}")
+                print_kernels(prof, f"{name} {budget} prompt {n}: wall {wall * 1e3:.1f} ms")
+
+
+def print_kernels(prof, title: str, top: int = 25) -> None:
+    """The device time of every kernel and copy a torch.profiler run saw, summed by name, largest first."""
+    rows = {}
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        k = e.name[:90]
+        t, c = rows.get(k, (0.0, 0))
+        rows[k] = (t + e.device_time_total if hasattr(e, "device_time_total") else t + e.cuda_time, c + 1)
+    total = sum(t for t, _ in rows.values())
+    print(f"\n== {title}, device sum {total / 1e3:.1f} ms")
+    for k, (t, c) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"{t / 1e3:9.2f} ms {c:6d}x  {k}")
 
 
 if __name__ == "__main__":
