@@ -216,6 +216,7 @@ def test_batched_decode_of_eight_or_more_on_tensor_cores(driver, tmp_path):
                 assert m.plan.strategy == strategy
                 alone = [m.generate(p, k, eos_token_id=[]) for p, k in zip(prompts, news)]
                 together = m.generate(prompts, max(news), eos_token_id=[])
+                assert m.stats()["packed_prefills"] > 0        # the joining prompts prefilled together
         finally:
             mem.close()
         for got, want, k in zip(together, alone, news):
