@@ -82,6 +82,7 @@ def test_a_mixture_of_experts_batch_gives_each_sequence_its_own_tokens(tmp_path,
             assert (m.plan.experts.slots > 0) == on_demand
             alone = [m.generate(p, k, return_logits=True, eos_token_id=[]) for p, k in zip(PROMPTS, NEWS)]
             together = m.generate(PROMPTS, 12, return_logits=True, eos_token_id=[])
+            assert m.stats()["packed_prefills"] > 0       # the joining prompts routed and prefilled together
         finally:
             m.close()
             mem.close()
@@ -113,6 +114,29 @@ def test_joining_prompts_prefill_together_streaming_each_weight_once(ckpt):
     assert after["page_ins"] - before["page_ins"] == len(m.plan.streamed)      # one pass for the three prompts
     assert [t[0] for t in together] == [a[0] for a in alone]
     assert greedy == alone and sampled == drawn
+
+
+def test_packed_prefill_with_materialized_attention_scores(tmp_path, monkeypatch):
+    """head_dim 40 (no fused attention route): the plan has a step workspace for 4 query rows, and a packed
+    prefill attends each prompt's rows 4 at a time over its own slot; tokens and logits equal each prompt's alone."""
+    from vmmstream import loading
+    from vmmstream.planning import floor
+    monkeypatch.setattr(floor, "PREFILL_SUB", 4)
+    monkeypatch.setattr(loading, "PREFILL_SUB", 4)
+    build_reference("llama", 3, tmp_path, dict(COMMON, head_dim=40), [1, 2], 1)
+    resident, _ = _budgets(tmp_path, 3)
+    mem, m = _load(tmp_path, resident, max_batch=3)
+    try:
+        assert m.plan.workspace["step"] > 0 and m.acts.sub == 4
+        alone = [m.generate(p, 5, return_logits=True, eos_token_id=[]) for p in PROMPTS[:3]]
+        together = m.generate(PROMPTS[:3], 5, return_logits=True, eos_token_id=[])
+        assert m.stats()["packed_prefills"] == 1
+    finally:
+        m.close()
+        mem.close()
+    for (tokens, logits), (want, want_logits) in zip(together, alone):
+        assert tokens == want
+        assert np.max(np.abs(logits - want_logits)) <= 1e-3 * np.max(np.abs(want_logits))
 
 
 def test_a_join_the_memory_refuses_leaves_the_others_joined(ckpt, monkeypatch):

@@ -165,11 +165,9 @@ class BatchDecoder:
         return group
 
     def packable(self, reqs) -> bool:
-        """Whether these joins may prefill together: more than one, a dense model whose prefill attention needs
-        no step workspace (the fused routes), and prompts that fit one walk of the activation buffers."""
-        e = self.e
-        return (len(reqs) > 1 and not e.config.is_moe and not e.plan.workspace["step"]
-                and all(0 < len(ids) <= e.acts.tmax for ids, _, _ in reqs))
+        """Whether these joins may prefill together: more than one, each prompt within one walk of the activation
+        buffers."""
+        return len(reqs) > 1 and all(0 < len(ids) <= self.e.acts.tmax for ids, _, _ in reqs)
 
     def _prefill_packed(self, group) -> None:
         """One eager walk over the prompts of ``group`` (each in its own slot), then each one's first token: greedy
@@ -197,16 +195,17 @@ class BatchDecoder:
             d.memcpy_htod_async(e.acts.addr("rng_rows"), rng.ctypes.data, 32 * k, e.S)
         st, a = e.step, e.acts.views(k)
 
-        def enqueue():
+        def enqueue(ws):
             st.streamer.begin(timed=True)
-            st.body(t, decode=False, start_pos=0, last=a.inp, kv=kv.view(kv.slots), packed=packed)
+            st.body(t, decode=False, start_pos=0, last=a.inp, kv=kv.view(kv.slots), packed=packed, ws_step=ws)
             st.streamer.end()
             st.ops.argmax(st.S, a.logits, a.next, st.ws_session)
             for j, q in sampled:
                 temperature, top_k, top_p = q.sampling
                 st.ops.sample(st.S, e.acts.rows("logits", j, 1), e.acts.row("next", j), e.acts.row("rng_rows", j),
                               temperature, top_k, top_p)
-        e._eager(enqueue)
+        with e.step_workspace() as ws:
+            e._eager(lambda: enqueue(ws))
         e.counters["prefill_tokens"] += t
         e.counters["packed_prefills"] += 1
         nxt = e._host("tokens", np.int32, k)

@@ -26,6 +26,7 @@ The streams outlive the placement's frees because the memory fences each free on
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 import numpy as np
@@ -305,24 +306,13 @@ class Engine:
     def _prefill(self, ids, sampling) -> None:
         """Eager prefill in chunks of the activation buffers' size; the last chunk selects the first new token.
         A short prompt takes ``_prefill_padded``."""
-        plan, n = self.plan, len(ids)
+        n = len(ids)
         b = self._prefill_bucket(n)
         if b is not None:
             self._prefill_padded(ids, b, sampling)
             return
         tmax = self.acts.tmax
-        self._free_leftover_workspace()
-        ws_step, ws_view = None, None
-        if plan.workspace["step"]:
-            try:
-                ws_step = self.memory.allocate(plan.workspace["step"], role="workspace_step", holder=self.holder,
-                                               arena="workspace")
-            except KeyboardInterrupt:      # raised as the allocation ended: it exists, but was never kept here
-                self._free_leftover_workspace()
-                raise
-        try:
-            if ws_step is not None:
-                ws_view = self.ops.view(ws_step.va, (plan.workspace["step"],), np.uint8)
+        with self.step_workspace() as ws_view:
             for start in range(0, n, tmax):
                 t = min(tmax, n - start)
                 self._h2d(self.acts.addr("ids"), "ids", np.asarray(ids[start:start + t], np.int32))
@@ -339,6 +329,23 @@ class Engine:
                         self.step.advance()
                 self._eager(enqueue)
                 self.counters["prefill_tokens"] += t
+
+    @contextlib.contextmanager
+    def step_workspace(self):
+        """The plan's step workspace for one prefill (a uint8 view, or None when the plan has none): allocated
+        here, freed on the way out (I8), even on an exception."""
+        plan = self.plan
+        self._free_leftover_workspace()
+        ws_step = None
+        if plan.workspace["step"]:
+            try:
+                ws_step = self.memory.allocate(plan.workspace["step"], role="workspace_step", holder=self.holder,
+                                               arena="workspace")
+            except KeyboardInterrupt:      # raised as the allocation ended: it exists, but was never kept here
+                self._free_leftover_workspace()
+                raise
+        try:
+            yield None if ws_step is None else self.ops.view(ws_step.va, (plan.workspace["step"],), np.uint8)
         finally:
             if ws_step is not None:       # step workspace lives for the step only (I8), even on an exception
                 try:                       # fenced: unmapped once the queued prefill work is done

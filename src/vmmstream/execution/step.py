@@ -227,7 +227,7 @@ class Step:
             if decode:
                 o.attn_decode(S, a.q3, self.kv.k4(layer), self.kv.v4(layer), a.lens, a.attn3, self.ws_session)
             elif packed:
-                self._attn_packed(layer, packed)
+                self._attn_packed(layer, packed, ws_step)
             elif ws_step is None or t <= self.acts.sub:
                 o.attn_prefill(S, a.q3, self.kv.k(layer), self.kv.v(layer), a.attn3, ws_step, start_pos)
             else:                   # materialized scores: the step workspace holds a sub-chunk's
@@ -253,23 +253,24 @@ class Step:
         logits = a.logits if decode else self.acts.views(1 if last is None else last.shape[0]).logits
         self._use([self.head], lambda: o.gemv(S, W(self.head), row, logits))
 
-    def _attn_packed(self, layer: int, packed) -> None:
-        """Causal prefill attention of each packed prompt over its own slot's cache (it starts at position 0)."""
-        hq, d = self.c.num_attention_heads, self.c.head_dim
+    def _attn_packed(self, layer: int, packed, ws) -> None:
+        """Causal prefill attention of each packed prompt over its own slot's cache (it starts at position 0); with
+        a step workspace (materialized scores), ``sub`` query rows at a time."""
         for slot_kv, r0, n in packed:
-            q = self.acts.rows("q", r0, n, (hq, d))
-            out = self.acts.rows("attn", r0, n, (hq, d))
-            self.ops.attn_prefill(self.S, q, slot_kv.k(layer), slot_kv.v(layer), out, None, 0)
+            self._attn_rows(layer, slot_kv, r0, n, 0, ws, n if ws is None else self.acts.sub)
 
     def _attn_in_parts(self, layer: int, t: int, start_pos: int, ws) -> None:
         """Causal prefill attention of a walk, ``sub`` query rows at a time (each sees the keys before it)."""
-        c, sub = self.c, self.acts.sub
-        hq, d = c.num_attention_heads, c.head_dim
-        for s0 in range(0, t, sub):
-            n = min(sub, t - s0)
-            q = self.acts.rows("q", s0, n, (hq, d))
-            out = self.acts.rows("attn", s0, n, (hq, d))
-            self.ops.attn_prefill(self.S, q, self.kv.k(layer), self.kv.v(layer), out, ws, start_pos + s0)
+        self._attn_rows(layer, self.kv, 0, t, start_pos, ws, self.acts.sub)
+
+    def _attn_rows(self, layer: int, kv, r0: int, t: int, start_pos: int, ws, part: int) -> None:
+        """Attention of query rows ``r0 .. r0 + t`` (positions from ``start_pos``) over ``kv``, ``part`` rows a launch."""
+        hq, d = self.c.num_attention_heads, self.c.head_dim
+        for s0 in range(0, t, part):
+            n = min(part, t - s0)
+            q = self.acts.rows("q", r0 + s0, n, (hq, d))
+            out = self.acts.rows("attn", r0 + s0, n, (hq, d))
+            self.ops.attn_prefill(self.S, q, kv.k(layer), kv.v(layer), out, ws, start_pos + s0)
 
     def _mlp(self, p, a, mm, decode) -> None:
         """proj = (silu(xn · Wgᵀ) * (xn · Wuᵀ)) · Wdᵀ."""
