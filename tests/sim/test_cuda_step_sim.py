@@ -157,28 +157,3 @@ def test_moe_cuda_step_matches_host(tmp_path, monkeypatch, where, quantize):
     for k in ("expert_hits", "expert_misses", "expert_bytes_per_token"):
         assert host[3][k] == sim[3][k], k                 # the gather's device counters count as the host does
 
-
-def test_batched_cuda_steps_with_a_packed_prefill_match_host(tmp_path, monkeypatch):
-    """Three prompts joining a max_batch=3 model together: one packed prefill (RoPE + KV append by cache row, each
-    prompt's attention over its own slot, the last rows gathered for the logits), then batched decode steps (per
-    sequence lengths and rows, a captured graph per batch size) — the CUDA adapter in the simulator against the
-    host backend: equal tokens, close logits."""
-    path = make_checkpoint(config("LlamaForCausalLM"), tmp_path, seed=5)
-    prompts = [PROMPT, [7, 2], [9, 9, 8, 1, 6, 2]]
-
-    def go(cuda_ops):
-        make = (lambda driver: SimCudaOps(driver)) if cuda_ops else (lambda driver: ops_module.HostOps(driver))
-        monkeypatch.setattr(ops_module, "make_ops", make)
-        monkeypatch.setattr(engine_module, "make_ops", make)
-        mem = DeviceMemory(HostDriver(granularity=G, total_bytes=1 << 30), 64 << 20)
-        try:
-            with vmmstream.load_model(path, memory=mem, max_context=MC, max_batch=3) as m:
-                out = m.generate(prompts, NEW, return_logits=True, eos_token_id=[])
-                return out, m.stats()
-        finally:
-            mem.close()
-    host, _ = go(False)
-    sim, stats = go(True)
-    assert stats["packed_prefills"] == 1
-    for h, s in zip(host, sim):
-        compare(h, s)
