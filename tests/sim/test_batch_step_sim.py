@@ -1,6 +1,7 @@
 """A batch through the CUDA adapter in the simulator: a packed prefill of three joining prompts and the batched
-decode steps after it, against the host backend (``test_cuda_step_sim.py`` has the one-sequence steps). One tiny
-model, about 40 s on a CI core."""
+decode steps after it, and a mixture of experts' batch (resident experts, experts gathered on demand), against the
+host backend (``test_cuda_step_sim.py`` has the one-sequence steps). Tiny models; the dense one, about 20 s on a CI
+core, runs in the sim tier, the MoE ones are ``slow``."""
 
 from __future__ import annotations
 
@@ -23,21 +24,55 @@ def test_batched_cuda_steps_with_a_packed_prefill_match_host(tmp_path, monkeypat
     sequence lengths and rows, a captured graph per batch size) — the CUDA adapter in the simulator against the
     host backend: equal tokens, close logits."""
     path = make_checkpoint(config("LlamaForCausalLM"), tmp_path, seed=5)
-    prompts = [PROMPT, [7, 2], [9, 9, 8, 1, 6, 2]]
+    host, sim, stats = both(path, monkeypatch, 64 << 20)
+    assert stats["packed_prefills"] == 1
+    for h, s in zip(host, sim):
+        compare(h, s)
+
+
+PROMPTS = [PROMPT, [7, 2], [9, 9, 8, 1, 6, 2]]
+
+
+def both(path, monkeypatch, budget):
+    """``generate(PROMPTS)`` on a max_batch=3 model: host backend, then the CUDA adapter in the simulator."""
+    prompts = PROMPTS
 
     def go(cuda_ops):
         make = (lambda driver: SimCudaOps(driver)) if cuda_ops else (lambda driver: ops_module.HostOps(driver))
         monkeypatch.setattr(ops_module, "make_ops", make)
         monkeypatch.setattr(engine_module, "make_ops", make)
-        mem = DeviceMemory(HostDriver(granularity=G, total_bytes=1 << 30), 64 << 20)
+        mem = DeviceMemory(HostDriver(granularity=G, total_bytes=1 << 30), budget)
         try:
             with vmmstream.load_model(path, memory=mem, max_context=MC, max_batch=3) as m:
                 out = m.generate(prompts, NEW, return_logits=True, eos_token_id=[])
-                return out, m.stats()
+                return out, m.stats(), m.plan
         finally:
             mem.close()
-    host, _ = go(False)
-    sim, stats = go(True)
-    assert stats["packed_prefills"] == 1
+    host, _, _ = go(False)
+    sim, stats, plan = go(True)
+    stats["plan"] = plan
+    return host, sim, stats
+
+
+@pytest.mark.slow          # about a minute each on a CI core: `scripts/test.sh full`
+@pytest.mark.parametrize("where", ["resident", "on_demand"])
+def test_a_mixture_of_experts_batch_through_the_cuda_adapter(tmp_path, monkeypatch, where):
+    """Mixtral, three sequences a step: every expert resident (the pool stack inside the step's graph, the session
+    workspace sized for the batch), or experts gathered on demand (a batch's steps: host-driven rounds over the
+    slots, eagerly): equal tokens and close logits to the host backend."""
+    from vmmstream.loading import plan_walked
+    from vmmstream.model import open_checkpoint
+    cfg = config("MixtralForCausalLM", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                 norm_topk_prob=True)
+    path = make_checkpoint(cfg, tmp_path, seed=7)
+    ck = open_checkpoint(path)
+    full = plan_walked(ck.config, ck.tensors, 1 << 40, backend="host", granularity=G, max_context=MC, batch=3)
+    ep = full.experts
+    dense = full.weight_bytes - ep.total * ep.unit_bytes
+    budget = (full.floor + full.weight_bytes if where == "resident"
+              else full.floor + dense + (ep.top_k + 1) * ep.unit_bytes)
+    host, sim, stats = both(path, monkeypatch, budget)
+    assert (stats["plan"].experts.slots > 0) == (where == "on_demand")
+    assert (stats["batch_graph_replays"] > 0) == (where == "resident")
     for h, s in zip(host, sim):
         compare(h, s)
