@@ -165,6 +165,25 @@ def test_a_join_the_memory_refuses_leaves_the_others_joined(ckpt, monkeypatch):
     assert got == alone and len(calls) == 4 and packed == 1
 
 
+def test_a_failed_join_leaves_no_sequence_of_its_group_behind(ckpt, monkeypatch):
+    """Joins that cannot be packed (a prompt longer than the walk) go one by one; when a later one fails with
+    something other than a refusal of memory, the ones before it leave too: no slot or page is kept by a sequence
+    nobody holds."""
+    from vmmstream.execution.batch import BatchDecoder
+    resident, _ = _budgets(ckpt, 3)
+    mem, m = _load(ckpt, resident, max_batch=3)
+    try:
+        dec = BatchDecoder(m.engine, m.placement.batch_kv)
+        monkeypatch.setattr(m.engine.acts, "tmax", 8)          # the 21-token prompt is longer than the walk
+        with m._lock, pytest.raises(VmmstreamError):
+            dec.add_many([(PROMPTS[2], 4, {}), ([3, 4], 10 * MC, {})])     # the second asks past max_context
+        assert dec.free_slots() == 3 and m.placement.batch_kv.committed() == 0
+        dec.close()
+    finally:
+        m.close()
+        mem.close()
+
+
 def test_sequences_stop_at_their_own_stop_ids_and_the_batch_goes_on(ckpt):
     resident, _ = _budgets(ckpt, 4)
     mem, m = _load(ckpt, resident, max_batch=4)

@@ -126,6 +126,10 @@ class BatchDecoder:
                     if out:
                         break
                     raise
+                except BaseException:
+                    for q in out:              # all or nothing, as a packed group: none of them joined
+                        self.finish(q)
+                    raise
             return out
         e, kv = self.e, self.kv
         group: list[Sequence] = []
