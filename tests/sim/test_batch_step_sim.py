@@ -1,7 +1,7 @@
 """A batch through the CUDA adapter in the simulator: a packed prefill of three joining prompts and the batched
 decode steps after it, and a mixture of experts' batch (resident experts, experts gathered on demand), against the
-host backend (``test_cuda_step_sim.py`` has the one-sequence steps). Tiny models; the dense one, about 20 s on a CI
-core, runs in the sim tier, the MoE ones are ``slow``."""
+host backend (``test_cuda_step_sim.py`` has the one-sequence steps). Tiny models, but whole steps in the simulator:
+``slow`` (``scripts/test.sh full``)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from vmmstream.model import make_checkpoint
 pytestmark = pytest.mark.sim
 
 
+@pytest.mark.slow          # about 35 s on a CI core: `scripts/test.sh full`
 def test_batched_cuda_steps_with_a_packed_prefill_match_host(tmp_path, monkeypatch):
     """Three prompts joining a max_batch=3 model together: one packed prefill (RoPE + KV append by cache row, each
     prompt's attention over its own slot, the last rows gathered for the logits), then batched decode steps (per

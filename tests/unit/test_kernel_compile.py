@@ -39,6 +39,10 @@ def _import(name: str):
 # compiles them (their kernels run in the gpu tier either way): int4 GEMV with fp32 scales, with several columns,
 # and with 2 row tiles.
 SLOW = {("matmul.quant.gemv_mma", 2), ("matmul.quant.gemv_mma", 3), ("matmul.quant.gemv_mma", 7)}
+# The batched tensor-core GEMV's other tile counts and bias / fp32-logit variants (the same body as the ones kept),
+# and the cp.async prefill attention at head dims 64 and 96 (128 is kept).
+SLOW |= {("matmul.dense.gemv_mma", i) for i in (1, 2, 3, 4, 5, 7, 8, 9, 11, 13, 14)}
+SLOW |= {("attention.prefill", 5), ("attention.prefill", 6)}
 
 
 def _signature_cases():
