@@ -212,13 +212,7 @@ class BatchDecoder:
             e._eager(lambda: enqueue(ws))
         e.counters["prefill_tokens"] += t
         e.counters["packed_prefills"] += 1
-        nxt = e._host("tokens", np.int32, k)
-        d.memcpy_dtoh_async(nxt.ctypes.data, e.acts.addr("next"), 4 * k, e.S)
-        logits = None
-        if any(q.logits is not None for q in group):
-            logits = np.empty((k, e.config.vocab_size), np.float32)
-            d.memcpy_dtoh_async(logits.ctypes.data, e.acts.addr("logits"), logits.nbytes, e.S)
-        d.stream_synchronize(e.S)
+        nxt, logits = self._read_next(k, group)
         for j, q in enumerate(group):
             q._take(int(nxt[j]), None if logits is None or q.logits is None else logits[j].copy())
 
@@ -251,13 +245,7 @@ class BatchDecoder:
             e._eager(lambda: e.step.decode_batch(n, kv.view(n), draws=draws))
         else:
             self._run_step(n)
-        nxt = e._host("tokens", np.int32, n)
-        d.memcpy_dtoh_async(nxt.ctypes.data, e.acts.addr("next"), 4 * n, e.S)
-        logits = None
-        if any(q.logits is not None for q in live):
-            logits = np.empty((n, e.config.vocab_size), np.float32)
-            d.memcpy_dtoh_async(logits.ctypes.data, e.acts.addr("logits"), logits.nbytes, e.S)
-        d.stream_synchronize(e.S)
+        nxt, logits = self._read_next(n, live)
         self.steps += 1
         e.counters["decode_tokens"] += len(live)
         out = []
@@ -268,6 +256,18 @@ class BatchDecoder:
             if q.done:
                 self.finish(q)
         return out
+
+    def _read_next(self, n: int, seqs):
+        """The first ``n`` rows of ``next`` (and of ``logits`` when one of ``seqs`` keeps them), after the queued work."""
+        e, d = self.e, self.e.driver
+        nxt = e._host("tokens", np.int32, n)
+        d.memcpy_dtoh_async(nxt.ctypes.data, e.acts.addr("next"), 4 * n, e.S)
+        logits = None
+        if any(q.logits is not None for q in seqs):
+            logits = np.empty((n, e.config.vocab_size), np.float32)
+            d.memcpy_dtoh_async(logits.ctypes.data, e.acts.addr("logits"), logits.nbytes, e.S)
+        d.stream_synchronize(e.S)
+        return nxt, logits
 
     def _run_step(self, n: int) -> None:
         """The step of the first ``n`` slots: eagerly the first time ``n`` is seen (which compiles and loads every
