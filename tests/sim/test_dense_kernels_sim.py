@@ -33,6 +33,16 @@ def assert_bf16_close(got_bits, ref_f32, abs_tol):
     assert np.all(err <= bound), f"max excess {np.max(err - bound):.3g} (max err {err.max():.3g})"
 
 
+def assert_gemv_close(got, ref, x, w):
+    """A GEMV result (bf16 bits or fp32) vs its fp64 reference: the fp32 accumulation slack, plus one rounding for
+    bf16."""
+    slack = 1e-5 * (np.abs(bf16_to_f32(x)) @ np.abs(bf16_to_f32(w)).T) + 1e-6
+    if got.dtype == np.uint16:
+        assert_bf16_close(got, ref, slack)
+    else:
+        assert np.all(np.abs(got - ref) <= slack)
+
+
 # ------------------------------------------------------------------------------------------- gemv
 
 @pytest.mark.parametrize("n,k,b,bias,out_dtype,threads,rpb", [
@@ -48,12 +58,7 @@ def test_gemv_matches_reference(n, k, b, bias, out_dtype, threads, rpb):
     assert vec8_ok(dev(w), dev(x)) == (k % 8 == 0)
     gemv.gemv(dev(w), dev(x), out, bias=None if bb is None else dev(bb),
               config=gemv.GemvConfig(threads=threads, rows_per_block=rpb))
-    ref = gemv.reference(w, x, bb)
-    slack = 1e-5 * (np.abs(bf16_to_f32(x)) @ np.abs(bf16_to_f32(w)).T) + 1e-6
-    if out_dtype == np.uint16:
-        assert_bf16_close(out.copy_to_host(), ref, slack)
-    else:
-        assert np.all(np.abs(out.copy_to_host() - ref) <= slack)
+    assert_gemv_close(out.copy_to_host(), gemv.reference(w, x, bb), x, w)
 
 
 def test_gemv_vector_input():
@@ -78,8 +83,7 @@ def test_gemv_multi_matches_reference(ns, k, b, bias, rpb):
     gemv.gemv_multi([dev(w) for w in ws], dev(x), outs, biases=None if bs is None else [dev(v) for v in bs],
                     config=gemv.GemvConfig(threads=32, rows_per_block=rpb))
     for i, (w, ref) in enumerate(zip(ws, gemv.reference_multi(ws, x, bs))):
-        slack = 1e-5 * (np.abs(bf16_to_f32(x)) @ np.abs(bf16_to_f32(w)).T) + 1e-6
-        assert_bf16_close(outs[i].copy_to_host(), ref, slack)
+        assert_gemv_close(outs[i].copy_to_host(), ref, x, w)
 
 
 def test_gemv_multi_rejects_mismatched_k():
@@ -144,12 +148,7 @@ def test_gemv_batch_takes_tensor_cores(n, k, b, bias, out_dtype):
     assert gemv_mma.usable(dev(w), dev(x))
     out = cuda.device_array((b, n), out_dtype)
     gemv.gemv(dev(w), dev(x), out, bias=None if bb is None else dev(bb))
-    ref = gemv.reference(w, x, bb)
-    slack = 1e-5 * (np.abs(bf16_to_f32(x)) @ np.abs(bf16_to_f32(w)).T) + 1e-6
-    if out_dtype == np.uint16:
-        assert_bf16_close(out.copy_to_host(), ref, slack)
-    else:
-        assert np.all(np.abs(out.copy_to_host() - ref) <= slack)
+    assert_gemv_close(out.copy_to_host(), gemv.reference(w, x, bb), x, w)
 
 
 def test_gemv_multi_and_gate_up_take_tensor_cores():
@@ -162,8 +161,7 @@ def test_gemv_multi_and_gate_up_take_tensor_cores():
         outs = [cuda.device_array((b, n), np.uint16) for n in ns]
         gemv.gemv_multi([dev(w) for w in ws], dev(x), outs, biases=None if bs is None else [dev(v) for v in bs])
         for i, (w, ref) in enumerate(zip(ws, gemv.reference_multi(ws, x, bs))):
-            slack = 1e-5 * (np.abs(bf16_to_f32(x)) @ np.abs(bf16_to_f32(w)).T) + 1e-6
-            assert_bf16_close(outs[i].copy_to_host(), ref, slack)
+            assert_gemv_close(outs[i].copy_to_host(), ref, x, w)
     n = 18
     wg, wu = bf16(rng, (n, k), 0.5), bf16(rng, (n, k), 0.5)
     out = cuda.device_array((b, n), np.uint16)

@@ -133,6 +133,7 @@ class BatchDecoder:
             return out
         e, kv = self.e, self.kv
         group: list[Sequence] = []
+        prompts: list = []
         try:
             for ids, m, kw in reqs:
                 s = next((i for i, q in enumerate(self.slots) if q is None), None)
@@ -151,19 +152,18 @@ class BatchDecoder:
                     raise
                 seq = Sequence(s, n, m, kw.get("stop", frozenset()), kw.get("return_logits", False),
                                kw.get("sampling"), kw.get("seed", 0))
-                seq.ids = list(ids)
                 self.slots[s] = seq
                 group.append(seq)
+                prompts.append(ids)
             if not group:
                 return []
-            self._prefill_packed(group)
+            self._prefill_packed(group, prompts)
         except BaseException:
             for q in group:
                 self.slots[q.slot] = None
                 kv.release(q.slot)
             raise
         for q in group:
-            del q.ids
             if q.done:
                 self.finish(q)
         return group
@@ -173,12 +173,12 @@ class BatchDecoder:
         buffers."""
         return len(reqs) > 1 and all(0 < len(ids) <= self.e.acts.tmax for ids, _, _ in reqs)
 
-    def _prefill_packed(self, group) -> None:
+    def _prefill_packed(self, group, prompts) -> None:
         """One eager walk over the prompts of ``group`` (each in its own slot), then each one's first token: greedy
         rows by argmax, sampled rows drawn with their own Philox stream at offset 0 (as alone)."""
         e, kv, d = self.e, self.kv, self.e.driver
         k = len(group)
-        ids = np.concatenate([np.asarray(q.ids, np.int32) for q in group])
+        ids = np.concatenate([np.asarray(p, np.int32) for p in prompts])
         pos = np.concatenate([np.arange(q.n, dtype=np.int32) for q in group])
         prow = np.concatenate([kv.row(q.slot, 0) + np.arange(q.n, dtype=np.int32) for q in group])
         ends = np.cumsum([q.n for q in group]).astype(np.int32)
