@@ -5,6 +5,7 @@ client that leaves frees its sequence; one-sequence calls on the model are refus
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from chat_fixture import make_chat_checkpoint
@@ -122,27 +123,32 @@ def test_requests_a_group_start_leaves_out_start_next(batch_model, monkeypatch):
     m = batch_model
     want = [m.generate(p, 6, temperature=0.0) for p in PROMPTS]
     engine = BatchSequenceEngine(m)
-    whole, sizes = engine.add_many, []
+    whole, admit, sizes, gate = engine.add_many, engine.can_admit, [], threading.Event()
 
     def first_two(prepared):
         sizes.append(len(prepared))
         return whole(prepared[:2])
     monkeypatch.setattr(engine, "add_many", first_two)
+    monkeypatch.setattr(engine, "can_admit", lambda p, active: gate.is_set() and admit(p, active))
     live = Live(m, engine=engine, max_queue=16, queue_timeout=10.0)
     try:
         c = live.client()
-        with live.limits(delay=0.05):            # slow steps: the four requests queue up and are admitted together
-            got, threads = [None] * len(PROMPTS), []
-            for i, p in enumerate(PROMPTS):
-                def ask(i=i, p=p):
-                    got[i] = c.completions.create(model=NAME, prompt=p, max_tokens=6, temperature=0.0).choices[0].text
-                threads.append(threading.Thread(target=ask))
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(30)
+        got, threads = [None] * len(PROMPTS), []
+        for i, p in enumerate(PROMPTS):
+            def ask(i=i, p=p):
+                got[i] = c.completions.create(model=NAME, prompt=p, max_tokens=6, temperature=0.0).choices[0].text
+            threads.append(threading.Thread(target=ask))
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while live.scheduler.counts()[1] < len(PROMPTS):     # all four queued: then admitted in one round
+            assert time.monotonic() < deadline, live.scheduler.counts()
+            time.sleep(0.005)
+        gate.set()
+        for t in threads:
+            t.join(30)
         wait_idle(live)
-        assert got == want and max(sizes) > 2          # a group of more than two was admitted and split
+        assert got == want and sizes[0] == len(PROMPTS)  # the four admitted together, started two by two
     finally:
         live.stop()
 
