@@ -163,6 +163,34 @@ def test_bench_prefill(benchmark, S, route):
     })
 
 
+ASYNC_SHAPES = {"bn64w4": (64, 4, False, None), "bn32w4qs": (32, 4, True, None), "bn32w4qs_r168": (32, 4, True, 168),
+                "bn64w8": (64, 8, False, None), "bn32w8": (32, 8, False, None), "bn64w4_r168": (64, 4, False, 168)}
+
+
+@pytest.mark.parametrize("shape", list(ASYNC_SHAPES))
+@pytest.mark.parametrize("S", [2048, 8192])
+def test_bench_prefill_async_shape(benchmark, monkeypatch, S, shape):
+    """The async route's block shapes at head dim 128 (keys per tile, warps, Q from shared memory, register cap),
+    beside SDPA, each output checked against SDPA's: which one becomes ``ASYNC_SHAPE[128]``."""
+    monkeypatch.setitem(ap.ASYNC_SHAPE, D, ASYNC_SHAPES[shape])
+    route = ap.FUSED_MMA_ASYNC
+    q, k, v, out, req, ws = prefill_inputs(S, HQ, HKV, D, route)
+    args = [nb(q), nb(k), nb(v), nb(out), None]
+    ms, how = measure(benchmark, lambda: ap.launch(*args, route=route, stream=as_stream(torch.cuda.current_stream())),
+                      reps=3, rounds=3)
+    qt, kt, vt = (x.permute(1, 0, 2).unsqueeze(0).contiguous() for x in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+    err = (out.permute(1, 0, 2).float() - ref[0].float()).abs().max().item()
+    assert err < 2e-2, f"{shape}: max error {err} against SDPA"
+    sdpa = sdpa_ms(qt, kt, vt, True, reps=3)
+    flops = ap.flops(S, HQ, D)
+    tflops, sdpa_tflops = flops / (ms * 1e-3) / 1e12, flops / (sdpa * 1e-3) / 1e12
+    benchmark.extra_info.update({
+        "S": S, "shape": shape, "block": ASYNC_SHAPES[shape], "head_dim": D, "ms": ms, "tflops": tflops,
+        "sdpa_tflops": sdpa_tflops, "ratio_to_sdpa": tflops / sdpa_tflops, "max_err": err, "timing": how})
+    print(f"\nasync {shape} S={S}: {tflops:.0f} TFLOP/s, SDPA {sdpa_tflops:.0f}, ratio {tflops / sdpa_tflops:.2f}")
+
+
 # ------------------------------------------------------------------------ other head dims and groups
 
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (32, 8, 96), (32, 8, 80), (16, 8, 256), (32, 1, 128), (64, 4, 128)],

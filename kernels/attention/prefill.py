@@ -394,26 +394,41 @@ def _make_mma(D):
 
 # ----------------------------------------------------------------------------- fused mma.sync, cp.async + ldmatrix
 
-_A_BM, _A_BN = 16 * mh.WARPS, 64
 _wait_all = la.cp_async_waiter(0)
+# The async route's block shape per head dim: (keys per tile BN, warps per block, Q fragments from shared memory,
+# register cap or None).
+# Each warp owns 16 query rows, so a block covers 16 * warps rows. With Q in shared memory (read by ldmatrix
+# for every tile) a thread holds no Q registers: at D = 128 that is what keeps it under 255 without spilling.
+ASYNC_SHAPE = {64: (64, 4, False, None), 96: (64, 4, False, None), 128: (64, 4, False, None)}
 
 
-def _make_mma_async(D):
+def async_rows(D):
+    """Query rows per block of the async route at head dim D."""
+    return 16 * ASYNC_SHAPE[D][1]
+
+
+def _make_mma_async(D, BN=64, WARPS=4, QS=False, MAXREG=None):
     """The ``fused_mma`` algorithm with the memory path of FlashAttention-2: K and V tiles reach shared memory by
     ``cp.async`` (V of tile j copied while Q·Kᵀ of tile j runs, K of tile j+1 while P·V of tile j runs), both stored
     as they are in the cache (no transpose), fragments read with ``ldmatrix`` (x4: K as the "col" B operand of
     Q·Kᵀ; x4.trans: V as the B operand of P·V), and the causal mask applied only on tiles that cross a warp's
-    diagonal or the last key."""
-    BM, BN, NT = _A_BM, _A_BN, mh.THREADS
+    diagonal or the last key. ``QS``: the Q tile too is copied to shared memory once and its A fragments read by
+    ``ldmatrix`` x4 at every k16 step, instead of living in registers. ``MAXREG``: a register cap per thread
+    (more blocks per SM, at the cost of the compiler's lookahead)."""
+    NT = 32 * WARPS
+    BM = 16 * WARPS
     DW = D // 2
     KP = DW + 4                    # row stride in words: the 8 rows of an ldmatrix hit 32 distinct banks
-    TW = BN * KP                   # words per tile
+    TW = BN * KP                   # words per K / V tile
+    QW = BM * KP if QS else 1      # words of the Q tile
     DG = D // 8                    # 16-byte pieces per row
-    CU = BN * DG // NT             # pieces per thread per tile (D = 64: 4, 96: 6, 128: 8)
+    CU = (BN * DG + NT - 1) // NT  # pieces per thread per K / V tile
+    QU = (BM * DG + NT - 1) // NT  # pieces per thread of the Q tile
     KQK, NS, KPV, NO = D // 16, BN // 8, BN // 16, D // 8
-    QF, OF, SF = 4 * KQK, 4 * NO, 4 * NS
-    MS0, MS1 = mh.SIM_MMA_SCRATCH
-    RS, LS = mh.SIM_RED_SCRATCH, mh.SIM_LDM_SCRATCH
+    QF, OF, SF = (1 if QS else 4 * KQK), 4 * NO, 4 * NS
+    SIM = la.SIM
+    MS0, MS1 = (NT, 14) if SIM else (1, 1)
+    RS, LS = (NT, NT) if SIM else (1, 1)
     load_q, softmax_update, store_out = _mma_parts(D, BN)
     ZERO = uint32(0)
     A16 = la.SHARED_ALIGN16
@@ -423,17 +438,31 @@ def _make_mma_async(D):
         """Issue the copies of rows [k0, k0 + BN) of src[:, kvh, :] into buf (zeros past n_keys)."""
         for u in range(CU):
             c = tid + NT * u
-            r, dg = c // DG, c % DG
-            if k0 + r < n_keys:
-                la.cp_async16(buf, r * KP + 4 * dg, src, (k0 + r, kvh, 8 * dg))
-            else:
-                la.st4w(buf, r * KP + 4 * dg, ZERO, ZERO, ZERO, ZERO)
+            if CU * NT == BN * DG or c < BN * DG:
+                r, dg = c // DG, c % DG
+                if k0 + r < n_keys:
+                    la.cp_async16(buf, r * KP + 4 * dg, src, (k0 + r, kvh, 8 * dg))
+                else:
+                    la.st4w(buf, r * KP + 4 * dg, ZERO, ZERO, ZERO, ZERO)
 
-    @mh.kernel(NT)
+    @cuda.jit(device=True, inline="always")
+    def copy_q(buf, q32, q0, h, T, tid):
+        """Issue the copies of query rows [q0, q0 + BM) of head h into buf (zeros past T)."""
+        for u in range(QU):
+            c = tid + NT * u
+            if QU * NT == BM * DG or c < BM * DG:
+                r, dg = c // DG, c % DG
+                if q0 + r < T:
+                    la.cp_async16(buf, r * KP + 4 * dg, q32, (q0 + r, h, 4 * dg))
+                else:
+                    la.st4w(buf, r * KP + 4 * dg, ZERO, ZERO, ZERO, ZERO)
+
+    @mh.kernel(NT, max_registers=MAXREG)
     def fused_mma_async(q32, k, v, out32, start_pos, n_keys, scale_log2, group):
         # q32: [T, Hq, D/2] u32, out32: [T, Hq, D/2] u32 (bf16 pairs); k/v: [S, Hkv, D] u16, rows 16-byte aligned
         ks = cuda.shared.array(TW, uint32, alignment=A16)     # K tile: [key][d pair]
         vs = cuda.shared.array(TW, uint32, alignment=A16)     # V tile: [key][d pair]
+        qsm = cuda.shared.array(QW, uint32, alignment=A16)    # Q tile (QS): [row][d pair]
         mscr = cuda.shared.array((MS0, MS1), float64)
         rscr = cuda.shared.array(RS, float32)
         lscr = cuda.shared.array(LS, int64)
@@ -445,13 +474,16 @@ def _make_mma_async(D):
         lane = tid % 32
         g, t = lane >> 2, lane & 3
         last = min(start_pos + min(q0 + BM, T), n_keys)
-        copy_tile(ks, k, 0, kvh, n_keys, tid)         # the first K tile lands while Q is read
+        if QS:
+            copy_q(qsm, q32, q0, h, T, tid)
+        copy_tile(ks, k, 0, kvh, n_keys, tid)         # the first K tile (and Q) land while Q is read
         la.cp_async_commit()
         w0 = q0 + (tid // 32) * 16                    # this warp's first query row
         r0 = w0 + g                                   # this thread's two query rows: r0 and r0 + 8
         r1 = r0 + 8
         qf = cuda.local.array(QF, uint32)
-        load_q(q32, qf, r0, h, T, t)
+        if not QS:
+            load_q(q32, qf, r0, h, T, t)
         o = cuda.local.array(OF, float32)
         for i in range(OF):
             o[i] = 0.0
@@ -462,6 +494,7 @@ def _make_mma_async(D):
         mi, ri = lane >> 3, lane & 7                  # this lane's ldmatrix row: row ri of matrix mi
         k_lane = ri * KP + 4 * mi                     # K: matrices = d columns 0-7, 8-15, 16-23, 24-31
         v_lane = ((mi & 1) * 8 + ri) * KP + 4 * (mi >> 1)   # V: keys 0-7 / 8-15 x dims 0-7 / 8-15
+        q_lane = (tid // 32) * 16 * KP + v_lane      # Q (QS): rows 0-7 / 8-15 x k 0-7 / 8-15 of the warp's rows
         clear = min(start_pos + w0 + 1, n_keys)       # keys [0, clear) are visible to every row of this warp
         for k0 in range(0, last, BN):
             _wait_all()
@@ -469,17 +502,22 @@ def _make_mma_async(D):
             copy_tile(vs, v, k0, kvh, n_keys, tid)
             la.cp_async_commit()
             for nt in range(NS):                      # S = Q K^T
-                c0 = c1 = c2 = c3 = float32(0.0)
-                for j in range(KQK // 2):
+                s[4 * nt] = s[4 * nt + 1] = s[4 * nt + 2] = s[4 * nt + 3] = float32(0.0)
+            for j in range(KQK // 2):
+                if QS:
+                    a0, a1, a2, a3 = mh.ldmatrix_x4(qsm, q_lane + 16 * j, lscr)
+                    a4, a5, a6, a7 = mh.ldmatrix_x4(qsm, q_lane + 16 * j + 8, lscr)
+                else:
+                    a0, a1, a2, a3 = qf[8 * j], qf[8 * j + 1], qf[8 * j + 2], qf[8 * j + 3]
+                    a4, a5, a6, a7 = qf[8 * j + 4], qf[8 * j + 5], qf[8 * j + 6], qf[8 * j + 7]
+                for nt in range(NS):
                     b0, b1, b2, b3 = mh.ldmatrix_x4(ks, k_lane + nt * 8 * KP + 16 * j, lscr)
                     c0, c1, c2, c3 = mh.mma_bf16_16816(
-                        qf[8 * j], qf[8 * j + 1], qf[8 * j + 2], qf[8 * j + 3], b0, b1, c0, c1, c2, c3, mscr)
-                    c0, c1, c2, c3 = mh.mma_bf16_16816(
-                        qf[8 * j + 4], qf[8 * j + 5], qf[8 * j + 6], qf[8 * j + 7], b2, b3, c0, c1, c2, c3, mscr)
-                s[4 * nt] = c0 * scale_log2
-                s[4 * nt + 1] = c1 * scale_log2
-                s[4 * nt + 2] = c2 * scale_log2
-                s[4 * nt + 3] = c3 * scale_log2
+                        a0, a1, a2, a3, b0, b1, s[4 * nt], s[4 * nt + 1], s[4 * nt + 2], s[4 * nt + 3], mscr)
+                    s[4 * nt], s[4 * nt + 1], s[4 * nt + 2], s[4 * nt + 3] = mh.mma_bf16_16816(
+                        a4, a5, a6, a7, b2, b3, c0, c1, c2, c3, mscr)
+            for i in range(SF):
+                s[i] *= scale_log2
             if k0 + BN > clear:                       # this tile crosses the warp's diagonal or the last key
                 for nt in range(NS):
                     kpos = k0 + nt * 8 + 2 * t
@@ -575,9 +613,12 @@ _KERNELS = {}
 
 
 def _kernel(route, D):
-    key = (route, D)
+    key = (route, D, ASYNC_SHAPE[D]) if route == FUSED_MMA_ASYNC else (route, D)
     if key not in _KERNELS:
-        _KERNELS[key] = {FUSED: _make_fused, FUSED_MMA: _make_mma, FUSED_MMA_ASYNC: _make_mma_async}[route](D)
+        if route == FUSED_MMA_ASYNC:
+            _KERNELS[key] = _make_mma_async(D, *key[2])
+        else:
+            _KERNELS[key] = {FUSED: _make_fused, FUSED_MMA: _make_mma}[route](D)
     return _KERNELS[key]
 
 
@@ -614,8 +655,9 @@ def launch(q, k, v, out, workspace, *, start_pos=0, scale=None, route=None, stre
         grid = ((T + _F_BM - 1) // _F_BM, Hq)
         _kernel(FUSED, D)[grid, _F_THREADS, stream](q, k, v, out, start_pos, n_keys, float32(scale), group)
     else:
-        grid = ((T + _M_BM - 1) // _M_BM, Hq)
-        _kernel(route, D)[grid, mh.THREADS, stream](
+        bm = async_rows(D) if route == FUSED_MMA_ASYNC else _M_BM
+        grid = ((T + bm - 1) // bm, Hq)
+        _kernel(route, D)[grid, bm * 2, stream](
             q.view(np.uint32), k, v, out.view(np.uint32), start_pos, n_keys, float32(scale * LOG2E), group)
 
 
