@@ -163,8 +163,8 @@ def test_bench_prefill(benchmark, S, route):
     })
 
 
-ASYNC_SHAPES = {"bn64w4": (64, 4, False, None), "bn32w4qs": (32, 4, True, None), "bn32w4qs_r168": (32, 4, True, 168),
-                "bn64w8": (64, 8, False, None), "bn32w8": (32, 8, False, None), "bn64w4_r168": (64, 4, False, 168)}
+ASYNC_SHAPES = {"base": (64, 4, False, None), "qs32": (32, 4, True, None), "qs32cap": (32, 4, True, 168),
+                "w8x64": (64, 8, False, None), "w8x32": (32, 8, False, None), "cap168": (64, 4, False, 168)}
 
 
 @pytest.mark.parametrize("shape", list(ASYNC_SHAPES))

@@ -84,7 +84,8 @@ CACHE_DIR = Variable(
     "where compiled kernels are kept (default: $XDG_CACHE_HOME/vmmstream, else ~/.cache/vmmstream)")
 
 CUBLASLT = Variable(
-    "VMMSTREAM_CUBLASLT", _parse_bool, False,
-    "1 = dense bf16 prefill GEMMs through cuBLASLt (needs nvmath-python: pip install 'vmmstream[cublas]')")
+    "VMMSTREAM_CUBLASLT", _parse_bool, True,
+    "dense bf16 prefill GEMMs through cuBLASLt where nvmath-python is installed (pip install 'vmmstream[cublas]'); "
+    "0 = our tensor-core GEMM")
 
 ALL = (LEGACY_ALLOCATOR, BUDGET, BACKEND, KERNEL_CACHE, CACHE_DIR, CUBLASLT)

@@ -95,10 +95,14 @@ def plan_model(checkpoint, memory, *, max_context=None, slots=None, h2d_gbps=Non
     return p, p.prefill_chunk
 
 
+RESIDENT_WALK = 4096      # the longest prefill walk a resident plan takes by itself
+
+
 def plan_walked(config, tensors, budget: int, *, backend: str, prefill_chunk=None, **kw):
-    """``make_plan`` with the kernels' workspace peaks for ``backend`` and, for a plan whose weights stream and
-    whose ``prefill_chunk`` is not given, the longest prefill walk within ``floor.WALK_SHARE`` of the budget
-    that still fits (a plan note says what it costs). What ``load_model`` and ``vmmstream plan`` both use."""
+    """``make_plan`` with the kernels' workspace peaks for ``backend`` and, where ``prefill_chunk`` is not given:
+    for a plan whose weights stream, the longest prefill walk within ``floor.WALK_SHARE`` of the budget that still
+    fits (a plan note says what it costs); for a resident plan, the longest up to ``RESIDENT_WALK`` tokens that
+    leaves it resident. What ``load_model`` and ``vmmstream plan`` both use."""
     from .planning import PREFILL_CHUNK, make_plan
     from .planning.plan import DEFAULT_MAX_CONTEXT
     c = config
@@ -130,6 +134,18 @@ def plan_walked(config, tensors, budget: int, *, backend: str, prefill_chunk=Non
                     f"than a {p.prefill_chunk}-token walk's, streamed by each decode step instead "
                     "(prefill_chunk= sets the walk)")
             p = dataclasses.replace(longer, notes=longer.notes + (note,))
+    elif prefill_chunk is None and p.strategy == "resident" and mc > p.prefill_chunk:
+        # Nothing streams: a longer walk only saves launches and gives the GEMMs more rows. Take the longest up to
+        # RESIDENT_WALK that keeps every weight resident.
+        walk = min(mc, RESIDENT_WALK)
+        while walk > p.prefill_chunk:
+            try:
+                longer = plan(walk)
+            except CapacityError:
+                longer = None
+            if longer is not None and longer.strategy == "resident":
+                return longer
+            walk = max(p.prefill_chunk, 1 << (walk - 1).bit_length() - 1)
     return p
 
 

@@ -138,7 +138,9 @@ def test_tensor_core_prefill_and_prefill_graphs_on_cuda(driver, tmp_path, monkey
                                 hf_tokens, hf_logits, ATOL_FRAC)
 
 
-@pytest.mark.parametrize("arch,seed", [("llama", 0), ("qwen2", 9)])
+# llama seed 0 had a near-tie on this prompt (top-2 margin 0.058 at new token 2, within our bf16 error): seed 5's
+# smallest margin is 0.66
+@pytest.mark.parametrize("arch,seed", [("llama", 5), ("qwen2", 9)])
 def test_prefill_walk_and_cublaslt_gemms_on_cuda(driver, tmp_path, monkeypatch, arch, seed):
     """A 100-token prompt, streamed, walked 64 tokens at a time with the MLP's up projection in parts of 16: the
     oracle with the prefill GEMMs on cuBLASLt and on our tensor-core kernel, each streamed weight copied once

@@ -67,7 +67,7 @@ def _plan(path, budget, **kw):
         mem.driver.close()
 
 
-def test_streamed_plan_walks_longer_prompts_resident_and_explicit_do_not(tmp_path, monkeypatch):
+def test_streamed_plan_walks_longer_prompts_resident_longest_that_stays_resident(tmp_path, monkeypatch):
     monkeypatch.setattr(floor, "WALK_SHARE", 2)     # a tiny model's walk is large beside its weights
     build_reference("llama", 0, tmp_path, {**COMMON, "max_position_embeddings": 4096}, [1, 2], 1)
     from vmmstream.model import open_checkpoint
@@ -76,8 +76,10 @@ def test_streamed_plan_walks_longer_prompts_resident_and_explicit_do_not(tmp_pat
     mc = 2048
     full = make_plan(ck.config, ck.tensors, 1 << 40, granularity=G, max_context=mc,
                      workspace=loading.workspace_peaks(ck.config, mc, 512))
-    resident = _plan(tmp_path, 1 << 30, max_context=mc)
-    assert resident.strategy == "resident" and resident.prefill_chunk == floor.PREFILL_CHUNK
+    resident = _plan(tmp_path, 1 << 30, max_context=mc)     # room to spare: the longest resident walk
+    assert resident.strategy == "resident" and resident.prefill_chunk == min(mc, loading.RESIDENT_WALK) > 512
+    tight = _plan(tmp_path, full.device_bytes + G, max_context=mc)   # a longer walk would stream: it keeps 512
+    assert tight.strategy == "resident" and tight.prefill_chunk == floor.PREFILL_CHUNK
     budget = full.floor + full.weight_bytes * 15 // 16
     streamed = _plan(tmp_path, budget, max_context=mc)
     want = floor.streaming_walk(ck.config, mc, 1, G, budget)
