@@ -68,10 +68,27 @@ class Activations:
                               "expert_counts": ((c.num_hidden_layers, E), np.int64, False),
                               "expert_stats": ((3,), np.int64, False)})
         self.offsets, off = {}, 0
-        for name, (shape, dt, per_t) in self.spec.items():
-            n = math.prod(shape) * np.dtype(dt).itemsize * (self.batch if per_t == "batch" else self._rows(per_t, tmax))
+
+        def size(name):
+            shape, dt, per_t = self.spec[name]
+            return math.prod(shape) * np.dtype(dt).itemsize * (self.batch if per_t == "batch"
+                                                                else self._rows(per_t, tmax))
+        shared = set(self.SHARED[0] + self.SHARED[1])
+        for name in self.spec:
+            if name in shared:
+                continue
             self.offsets[name] = off
-            off = align_up(off + n)
+            off = align_up(off + size(name))
+        # The attention buffers are dead once the output projection has read ``attn``; the MLP's are written only
+        # after it, and every step's launches run in order on one stream: the two groups share one region.
+        top = off
+        for group in self.SHARED:
+            g = off
+            for name in group:
+                self.offsets[name] = g
+                g = align_up(g + size(name))
+            top = max(top, g)
+        off = top
         self.nbytes = off
         if off > plan.activations:
             raise VmmstreamError(f"activation layout needs {off} bytes, the plan has {plan.activations}; "
@@ -81,6 +98,10 @@ class Activations:
         self._views: dict = {}
         self._row_views: dict = {}
         self.config = c
+
+    # Buffers live only in a layer's attention half, and only in its MLP half (a mixture's experts included):
+    # laid over each other.
+    SHARED = (("q", "k", "v", "attn"), ("gate", "up"))
 
     def _rows(self, per_t, t: int) -> int:
         if per_t == "batch":

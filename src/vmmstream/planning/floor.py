@@ -67,10 +67,11 @@ def activation_bytes(config, max_context: int, batch: int, granularity: int,
     """An *estimate* of the activation buffers, rounded up to a granule.
 
     For ``T = min(prefill_chunk, max_context)`` tokens of each of ``batch`` sequences, bf16:
-    3 hidden-sized buffers (residual stream, normed input, projection output), q and the attention
-    output (``Hq · head_dim`` each: wider than hidden where ``Hq · head_dim > hidden``), k and v (``Hkv · head_dim``
-    each) and an MLP-sized gate; two more MLP-sized buffers (up and a margin) for ``min(T, PREFILL_SUB)`` tokens
-    (a dense walk computes up and silu(gate)·up in parts; a mixture of experts for all T); plus fp32 logits for one position per sequence
+    3 hidden-sized buffers (residual stream, normed input, projection output); in one region shared by the two
+    halves of a layer, the larger of q and the attention output (``Hq · head_dim`` each) with k and v
+    (``Hkv · head_dim`` each), and of an MLP-sized gate with two more MLP-sized buffers (up and a margin) for
+    ``min(T, PREFILL_SUB)`` tokens (a dense walk computes up and silu(gate)·up in parts; a mixture of experts for
+    all T); plus fp32 logits for one position per sequence
     (``vocab · 4 · batch``), int32 token ids, positions and cache rows (``12 · T · batch``), the int32 output tokens
     (``4 · max_context``), the RoPE table and the alignment of every buffer. Decode uses a prefix of the same
     buffers (T = 1). The MLP width is the widest of the dense, routed-expert and shared-expert intermediate
@@ -82,15 +83,17 @@ def activation_bytes(config, max_context: int, batch: int, granularity: int,
     width = max(config.intermediate_size, getattr(config, "moe_intermediate_size", 0),
                 getattr(config, "shared_expert_intermediate_size", 0))
     q_dim = config.num_attention_heads * config.head_dim
-    per_token = BF16 * (3 * config.hidden_size + 2 * q_dim + 2 * config.num_key_value_heads * config.head_dim
-                        + width)
+    per_token = BF16 * 3 * config.hidden_size
     experts = getattr(config, "num_experts", 0)
     sub = t if experts else min(t, PREFILL_SUB)       # a dense walk longer than PREFILL_SUB: up in parts
     if experts:
         k = config.num_experts_per_tok
         per_token += 4 * experts + 4 * config.hidden_size + 12 * k + 4 + 4 * k * config.hidden_size
     rows = max(t, batch)           # a batch's decode step uses a prefix of the walk's buffers, one row a sequence
-    raw = rows * (per_token + 12) + max(sub, min(batch, t)) * BF16 * 2 * width + batch * config.vocab_size * 4
+    # q, k, v and the attention output share one region with gate and up (never live at once): the larger of them
+    attention = rows * BF16 * (2 * q_dim + 2 * config.num_key_value_heads * config.head_dim)
+    mlp = rows * BF16 * width + max(sub, min(batch, t)) * BF16 * 2 * width
+    raw = rows * (per_token + 12) + max(attention, mlp) + batch * config.vocab_size * 4
     raw += 4 * max_context + 52 * batch + 2 * config.head_dim + _BUFFERS * _ALIGN   # output tokens, decode state
     # per sequence, RoPE table, alignment
     if experts:     # expert location table, routing counts, decode counters
