@@ -429,6 +429,9 @@ def _make_mma_async(D, BN=64, WARPS=4, QS=False, MAXREG=None):
     SIM = la.SIM
     MS0, MS1 = (NT, 14) if SIM else (1, 1)
     RS, LS = (NT, NT) if SIM else (1, 1)
+    if 4 * (2 * TW + QW) > 48 * 1024 - 1024:
+        raise ValueError(f"fused_mma_async D={D} BN={BN} warps={WARPS} QS={QS}: {4 * (2 * TW + QW)} bytes of "
+                         "shared memory, more than a block's static 48 KiB")
     load_q, softmax_update, store_out = _mma_parts(D, BN)
     ZERO = uint32(0)
     A16 = la.SHARED_ALIGN16
@@ -670,7 +673,7 @@ _MMA_SIG = f"void({_U32_3D}, {_U16_3D}, {_U16_3D}, {_U32_3D}, int64, int64, floa
 SIGNATURES = (
     [(_make_fused(d).py_func, _FUSED_SIG) for d in FUSED_HEAD_DIMS]
     + [(_make_mma(d).py_func, _MMA_SIG) for d in (64, 128, 96)]
-    + [(_make_mma_async(d).py_func, _MMA_SIG) for d in ASYNC_HEAD_DIMS]
+    + [(_make_mma_async(d, *ASYNC_SHAPE[d]).py_func, _MMA_SIG) for d in ASYNC_HEAD_DIMS]
     + [(_scores.py_func, f"void({_U16_3D}, {_U16_3D}, float32[:, :, ::1], int64, float32, int64)"),
        (_softmax_pv.py_func, f"void(float32[:, :, ::1], {_U16_3D}, {_U16_3D}, int64, int64)")]
 )

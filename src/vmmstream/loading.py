@@ -102,7 +102,7 @@ def plan_walked(config, tensors, budget: int, *, backend: str, prefill_chunk=Non
     """``make_plan`` with the kernels' workspace peaks for ``backend`` and, where ``prefill_chunk`` is not given:
     for a plan whose weights stream, the longest prefill walk within ``floor.WALK_SHARE`` of the budget that still
     fits (a plan note says what it costs); for a resident plan, the longest up to ``RESIDENT_WALK`` tokens that
-    leaves it resident. What ``load_model`` and ``vmmstream plan`` both use."""
+    leaves it resident (the legacy allocator's plans keep ``PREFILL_CHUNK``). What ``load_model`` and ``vmmstream plan`` both use."""
     from .planning import PREFILL_CHUNK, make_plan
     from .planning.plan import DEFAULT_MAX_CONTEXT
     c = config

@@ -111,14 +111,20 @@ def test_prefill_fused_mma_async_cp_async_and_ldmatrix(switch_interval, T, Hq, H
 @pytest.mark.parametrize("switch_interval", [5e-4], indirect=True)
 @pytest.mark.parametrize("shape,T,D,start_pos", [
     ((64, 4, True, None), 70, 64, 3),      # Q tile from shared memory by ldmatrix; rows past T zero-filled
-    ((32, 4, True, None), 21, 96, 40),     # 32-key tiles, Q in shared memory, a partial last copy round (D = 96)
-    ((32, 8, False, None), 130, 64, 0),    # 8 warps, 128 rows a block: two blocks, one partial
+    ((32, 4, True, None), 21, 96, 40),     # 32-key tiles, Q in shared memory (D = 96: 12 pieces a row)
+    ((32, 8, False, None), 130, 96, 0),    # 8 warps, 128 rows a block: two blocks, one partial; 384 pieces a
+                                           # K / V tile for 256 threads, so the second copy round is partial
 ])
 def test_prefill_async_block_shapes(switch_interval, monkeypatch, shape, T, D, start_pos):
     # Every block shape the async route can be set to computes the same attention (the GPU bench picks one).
     monkeypatch.setitem(ap.ASYNC_SHAPE, D, shape)
     got, ref = run_prefill(T, 2, 1, D, start_pos, ap.FUSED_MMA_ASYNC)
     assert_bf16_close(got, ref, 1e-2)
+
+
+def test_prefill_async_shape_over_static_shared_memory_is_refused():
+    with pytest.raises(ValueError, match="48 KiB"):
+        ap._make_mma_async(128, 64, 4, True)       # Q (17 KiB) + K and V tiles of 64 keys (35 KiB)
 
 
 def test_prefill_async_route_refuses_other_head_dims():

@@ -126,6 +126,7 @@ def test_qgemv_declares_no_workspace():
     (20, 640, 1, False, np.float16, False, 0),  # loads at the top of each iteration
     (20, 2560, 1, False, np.float16, True, 4),  # W through a cp.async ring of 4 stages, 5 iterations (wraps)
     (9, 640, 10, False, np.float32, True, 3),   # batch 10: two column tiles of 8 (tiles of 4 groups), N < 16; ring of 3
+    (40, 256, 12, True, np.float16, True, 0),   # batch 12: a grid of 2 column tiles x 3 row tiles (column tile fastest)
 ])
 def test_qgemv_int4_mma_route_matches_reference(n, k, b, bias, scale_dtype, prefetch, stages):
     """The tensor-core route (kernels/matmul/quant/gemv_mma.py): packed bf16 pairs of nibbles (j, j + 4), zero point

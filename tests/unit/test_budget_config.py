@@ -79,3 +79,24 @@ def test_backend_and_budget_are_validated():
     assert BUDGET.get({"VMMSTREAM_BUDGET": "6GiB"}) == "6GiB"
     with pytest.raises(ConfigError, match="VMMSTREAM_BUDGET"):
         BUDGET.get({"VMMSTREAM_BUDGET": "lots"})
+
+
+@pytest.mark.parametrize("raw,expected", [(None, True), ("", True), ("1", True), ("ON", True), ("0", False),
+                                          ("off", False), ("no", False)])
+def test_cublaslt_is_the_default_and_only_known_words_switch_it(monkeypatch, raw, expected):
+    from vmmstream.config import CUBLASLT
+    from vmmstream.kernels.matmul.dense import gemm
+    if raw is None:
+        monkeypatch.delenv("VMMSTREAM_CUBLASLT", raising=False)
+    else:
+        monkeypatch.setenv("VMMSTREAM_CUBLASLT", raw)
+    assert gemm._prefer_cublaslt() is expected
+    assert CUBLASLT.get({} if raw is None else {"VMMSTREAM_CUBLASLT": raw}) is expected
+
+
+@pytest.mark.parametrize("raw", ["of", "disable"])
+def test_cublaslt_typo_is_an_error_not_a_silent_switch(monkeypatch, raw):
+    from vmmstream.kernels.matmul.dense import gemm
+    monkeypatch.setenv("VMMSTREAM_CUBLASLT", raw)
+    with pytest.raises(ValueError, match="VMMSTREAM_CUBLASLT"):
+        gemm._prefer_cublaslt()

@@ -105,7 +105,16 @@ CUBLASLT = "cublaslt"
 # cuBLASLt where it loads (nvmath-python installed, its library found) and a workspace is given; VMMSTREAM_CUBLASLT=0
 # keeps our kernel. On the H100 it runs at torch.matmul's rate (682 / 799 TFLOP/s at M = 512 / 4096), ours at 113 /
 # 125 (bench/test_bench_dense_kernels.py -k gemm_prefill).
-PREFER_CUBLASLT = os.environ.get("VMMSTREAM_CUBLASLT", "").strip().lower() not in ("0", "false", "no", "off")
+def _prefer_cublaslt() -> bool:
+    v = os.environ.get("VMMSTREAM_CUBLASLT", "").strip().lower()
+    if v in ("", "1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"VMMSTREAM_CUBLASLT={v!r}: expected 1/true/yes/on or 0/false/no/off")
+
+
+PREFER_CUBLASLT = _prefer_cublaslt()
 
 
 def cublaslt_usable() -> bool:

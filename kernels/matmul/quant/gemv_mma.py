@@ -137,18 +137,19 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
     def qgemv_q4_mma(packed, scales, zeros, x, bias, y, n_rows, n_batch, k):
         # packed [N * K/2] u8 (rows of W, flattened); int4: scales, zeros [N * K/128] f16|f32; mxfp4: scales
         # [N * K/32] u8 (E8M0), zeros ignored; x [B, K] bf16; bias [N] bf16; y [B, N] bf16.
-        # grid (ceil(N / (16 RT)), ceil(B / 8)); block 128 RT: warp gw = 4 rt + wid takes row tile rt's
-        # share wid of K. Index arithmetic is uint32 (no wraparound code).
+        # grid (ceil(N / (16 RT)), 1) at B = 1, (ceil(B / 8), ceil(N / 16)) above it: the blocks of one row tile's
+        # column tiles are scheduled together, so all but the first read W from L2. Block 128 RT: warp
+        # gw = 4 rt + wid takes row tile rt's share wid of K. Index arithmetic is uint32 (no wraparound code).
         tid = u(cuda.threadIdx.x)
         lane, gw = tid % u(32), tid // u(32)
         if RT == 1:
             wid = gw
-            row0 = u32_mad(cuda.blockIdx.x, ROWS, 0)
+            row0 = u32_mad(cuda.blockIdx.y if NC > 1 else cuda.blockIdx.x, ROWS, 0)
         else:
             wid = gw % u(W)
             row0 = u32_mad(u32_mad(cuda.blockIdx.x, RT, gw // u(W)), ROWS, 0)
         g, t = lane // u(4), lane % u(4)
-        col0 = u32_mad(cuda.blockIdx.y, COLS, 0)
+        col0 = u32_mad(cuda.blockIdx.x if NC > 1 else cuda.blockIdx.y, COLS, 0)
         nr1 = u32_add(n_rows, 0xFFFFFFFF)
         ra = min(u32_add(row0, g), nr1)
         rb = min(u32_add(row0, g + u(8)), nr1)
@@ -403,7 +404,11 @@ def launch(kind, packed, scales, zeros, x, out, bias, stream, prefetch=True, l2_
                 int(row_tiles), bool(early_y), split=bool(split), x_first=bool(x_first))
     flat = [a.reshape(a.shape[0] * a.shape[1]) for a in (packed, scales, scales if zeros is None else zeros)]
     args = (*flat, x, x if bias is None else bias, out, n, b, k)
-    grid, threads = (-(-n // (ROWS * row_tiles)), -(-b // COLS)), mh.THREADS * row_tiles
+    tiles = -(-n // (ROWS * row_tiles))
+    if b > 1 and tiles > 65535:
+        raise ValueError(f"qgemv mma route, batch {b}: {n} rows are more than 65,535 row tiles of {ROWS}")
+    grid = (tiles, 1) if b == 1 else (-(-b // COLS), tiles)
+    threads = mh.THREADS * row_tiles
     if pdl:
         launch_pdl(kern, grid, threads, stream, args)
     else:
