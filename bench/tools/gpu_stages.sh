@@ -19,7 +19,11 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index --target .si
 export PYTHONPATH=$here/.site-head:$here/.site-wheels
 { date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max --format=csv,noheader
   python3 -c "import numpy, numba, numba_cuda, vmmstream; print('numpy', numpy.__version__, 'numba', numba.__version__,
-'numba-cuda', numba_cuda.__version__, 'vmmstream', vmmstream.__file__)"; } >"$out/env.txt" 2>&1
+'numba-cuda', numba_cuda.__version__, 'vmmstream', vmmstream.__file__)"
+  # the optional stacks the stages may need: a missing one is named here, before any stage runs into it
+  for m in nvmath gguf fastapi uvicorn prometheus_client openai; do
+    python3 -c "import $m" >/dev/null 2>&1 || echo "not importable: $m (carry its wheel and its dependencies)"
+  done; } >"$out/env.txt" 2>&1
 cat "$out/env.txt"
 for stage in "$@"; do
   name=${stage%%:*}; rest=${stage#*:}; limit=${rest%%:*}; cmd=${rest#*:}
