@@ -436,29 +436,23 @@ def _make_mma_async(D, BN=64, WARPS=4, QS=False, MAXREG=None):
     ZERO = uint32(0)
     A16 = la.SHARED_ALIGN16
 
-    @cuda.jit(device=True, inline="always")
-    def copy_tile(buf, src, k0, kvh, n_keys, tid):
-        """Issue the copies of rows [k0, k0 + BN) of src[:, kvh, :] into buf (zeros past n_keys)."""
-        for u in range(CU):
-            c = tid + NT * u
-            if CU * NT == BN * DG or c < BN * DG:
-                r, dg = c // DG, c % DG
-                if k0 + r < n_keys:
-                    la.cp_async16(buf, r * KP + 4 * dg, src, (k0 + r, kvh, 8 * dg))
-                else:
-                    la.st4w(buf, r * KP + 4 * dg, ZERO, ZERO, ZERO, ZERO)
+    def row_copier(NR, NU, EPP):
+        """A device function issuing the copies of rows [r0, r0 + NR) of src[:, head, :] (16-byte pieces of EPP
+        elements, NU per thread) into buf, zeros for rows at or past ``limit``."""
+        @cuda.jit(device=True, inline="always")
+        def copy(buf, src, r0, head, limit, tid):
+            for u in range(NU):
+                c = tid + NT * u
+                if NU * NT == NR * DG or c < NR * DG:
+                    r, dg = c // DG, c % DG
+                    if r0 + r < limit:
+                        la.cp_async16(buf, r * KP + 4 * dg, src, (r0 + r, head, EPP * dg))
+                    else:
+                        la.st4w(buf, r * KP + 4 * dg, ZERO, ZERO, ZERO, ZERO)
+        return copy
 
-    @cuda.jit(device=True, inline="always")
-    def copy_q(buf, q32, q0, h, T, tid):
-        """Issue the copies of query rows [q0, q0 + BM) of head h into buf (zeros past T)."""
-        for u in range(QU):
-            c = tid + NT * u
-            if QU * NT == BM * DG or c < BM * DG:
-                r, dg = c // DG, c % DG
-                if q0 + r < T:
-                    la.cp_async16(buf, r * KP + 4 * dg, q32, (q0 + r, h, 4 * dg))
-                else:
-                    la.st4w(buf, r * KP + 4 * dg, ZERO, ZERO, ZERO, ZERO)
+    copy_tile = row_copier(BN, CU, 8)      # K / V: uint16 elements
+    copy_q = row_copier(BM, QU, 4)         # Q: uint32 words (bf16 pairs)
 
     @mh.kernel(NT, max_registers=MAXREG)
     def fused_mma_async(q32, k, v, out32, start_pos, n_keys, scale_log2, group):
