@@ -101,8 +101,8 @@ RESIDENT_WALK = 4096      # the longest prefill walk a resident plan takes by it
 def plan_walked(config, tensors, budget: int, *, backend: str, prefill_chunk=None, **kw):
     """``make_plan`` with the kernels' workspace peaks for ``backend`` and, where ``prefill_chunk`` is not given:
     for a plan whose weights stream, the longest prefill walk within ``floor.WALK_SHARE`` of the budget that still
-    fits (a plan note says what it costs); for a resident plan, the longest up to ``RESIDENT_WALK`` tokens that
-    leaves it resident (the legacy allocator's plans keep ``PREFILL_CHUNK``). What ``load_model`` and ``vmmstream plan`` both use."""
+    fits (a plan note says what it costs); for a resident plan, the longest up to ``RESIDENT_WALK`` tokens within
+    the same share of the budget that leaves it resident (the legacy allocator's plans keep ``PREFILL_CHUNK``). What ``load_model`` and ``vmmstream plan`` both use."""
     from .planning import PREFILL_CHUNK, make_plan
     from .planning.plan import DEFAULT_MAX_CONTEXT
     c = config
@@ -136,8 +136,9 @@ def plan_walked(config, tensors, budget: int, *, backend: str, prefill_chunk=Non
             p = dataclasses.replace(longer, notes=longer.notes + (note,))
     elif prefill_chunk is None and p.strategy == "resident" and mc > p.prefill_chunk:
         # Nothing streams: a longer walk only saves launches and gives the GEMMs more rows. Take the longest up to
-        # RESIDENT_WALK that keeps every weight resident.
-        walk = min(mc, RESIDENT_WALK)
+        # RESIDENT_WALK whose activations stay within the streamed walk's share of the budget (what other models
+        # under the same budget can count on) and that keeps every weight resident.
+        walk = min(mc, RESIDENT_WALK, streaming_walk(c, mc, p.batch, gran, budget))
         while walk > p.prefill_chunk:
             try:
                 longer = plan(walk)

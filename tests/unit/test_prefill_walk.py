@@ -80,6 +80,9 @@ def test_streamed_plan_walks_longer_prompts_resident_longest_that_stays_resident
     assert resident.strategy == "resident" and resident.prefill_chunk == min(mc, loading.RESIDENT_WALK) > 512
     tight = _plan(tmp_path, full.device_bytes + G, max_context=mc)   # a longer walk would stream: it keeps 512
     assert tight.strategy == "resident" and tight.prefill_chunk == floor.PREFILL_CHUNK
+    monkeypatch.setattr(floor, "WALK_SHARE", 1 << 20)    # a longer walk's activations past its share of the budget
+    assert _plan(tmp_path, 1 << 30, max_context=mc).prefill_chunk == floor.PREFILL_CHUNK
+    monkeypatch.setattr(floor, "WALK_SHARE", 2)
     budget = full.floor + full.weight_bytes * 15 // 16
     streamed = _plan(tmp_path, budget, max_context=mc)
     want = floor.streaming_walk(ck.config, mc, 1, G, budget)
