@@ -164,13 +164,15 @@ def test_bench_prefill(benchmark, S, route):
 
 
 ASYNC_SHAPES = {"base": (64, 4, False, None), "qs32": (32, 4, True, None), "qs32cap": (32, 4, True, 168),
-                "w8x64": (64, 8, False, None), "w8x32": (32, 8, False, None), "cap168": (64, 4, False, 168)}
+                "w8x64": (64, 8, False, None), "w8x32": (32, 8, False, None), "cap168": (64, 4, False, 168),
+                "db32": (32, 4, False, None, True), "db32cap": (32, 4, False, 168, True)}
 
 
 @pytest.mark.parametrize("shape", list(ASYNC_SHAPES))
 @pytest.mark.parametrize("S", [2048, 8192])
 def test_bench_prefill_async_shape(benchmark, monkeypatch, S, shape):
-    """The async route's block shapes at head dim 128 (keys per tile, warps, Q from shared memory, register cap),
+    """The async route's block shapes at head dim 128 (keys per tile, warps, Q from shared memory, register cap,
+    K / V double-buffered),
     beside SDPA, each output checked against SDPA's: which one becomes ``ASYNC_SHAPE[128]``."""
     monkeypatch.setitem(ap.ASYNC_SHAPE, D, ASYNC_SHAPES[shape])
     route = ap.FUSED_MMA_ASYNC

@@ -395,6 +395,7 @@ def _make_mma(D):
 # ----------------------------------------------------------------------------- fused mma.sync, cp.async + ldmatrix
 
 _wait_all = la.cp_async_waiter(0)
+_wait_one = la.cp_async_waiter(1)
 # The async route's block shape per head dim: (keys per tile BN, warps per block, Q fragments from shared memory,
 # register cap or None).
 # Each warp owns 16 query rows, so a block covers 16 * warps rows. With Q in shared memory (read by ldmatrix
@@ -407,19 +408,23 @@ def async_rows(D):
     return 16 * ASYNC_SHAPE[D][1]
 
 
-def _make_mma_async(D, BN=64, WARPS=4, QS=False, MAXREG=None):
+def _make_mma_async(D, BN=64, WARPS=4, QS=False, MAXREG=None, DB=False):
     """The ``fused_mma`` algorithm with the memory path of FlashAttention-2: K and V tiles reach shared memory by
     ``cp.async`` (V of tile j copied while Q·Kᵀ of tile j runs, K of tile j+1 while P·V of tile j runs), both stored
     as they are in the cache (no transpose), fragments read with ``ldmatrix`` (x4: K as the "col" B operand of
     Q·Kᵀ; x4.trans: V as the B operand of P·V), and the causal mask applied only on tiles that cross a warp's
     diagonal or the last key. ``QS``: the Q tile too is copied to shared memory once and its A fragments read by
     ``ldmatrix`` x4 at every k16 step, instead of living in registers. ``MAXREG``: a register cap per thread
-    (more blocks per SM, at the cost of the compiler's lookahead)."""
+    (more blocks per SM, at the cost of the compiler's lookahead). ``DB``: K and V double-buffered, tile j + 1's
+    copies issued before tile j's work, so a whole tile's work hides them (instead of V behind Q·Kᵀ and K
+    behind P·V)."""
     NT = 32 * WARPS
     BM = 16 * WARPS
     DW = D // 2
     KP = DW + 4                    # row stride in words: the 8 rows of an ldmatrix hit 32 distinct banks
     TW = BN * KP                   # words per K / V tile
+    NB = 2 if DB else 1            # K / V buffers
+    KVW = NB * TW                  # words of the K (and of the V) buffers
     QW = BM * KP if QS else 1      # words of the Q tile
     DG = D // 8                    # 16-byte pieces per row
     CU = (BN * DG + NT - 1) // NT  # pieces per thread per K / V tile
@@ -429,8 +434,8 @@ def _make_mma_async(D, BN=64, WARPS=4, QS=False, MAXREG=None):
     SIM = la.SIM
     MS0, MS1 = (NT, 14) if SIM else (1, 1)
     RS, LS = (NT, NT) if SIM else (1, 1)
-    if 4 * (2 * TW + QW) > 48 * 1024 - 1024:
-        raise ValueError(f"fused_mma_async D={D} BN={BN} warps={WARPS} QS={QS}: {4 * (2 * TW + QW)} bytes of "
+    if 4 * (2 * NB * TW + QW) > 48 * 1024 - 1024:
+        raise ValueError(f"fused_mma_async D={D} BN={BN} warps={WARPS} QS={QS} DB={DB}: {4 * (2 * NB * TW + QW)} bytes of "
                          "shared memory, more than a block's static 48 KiB")
     load_q, softmax_update, store_out = _mma_parts(D, BN)
     ZERO = uint32(0)
@@ -440,15 +445,15 @@ def _make_mma_async(D, BN=64, WARPS=4, QS=False, MAXREG=None):
         """A device function issuing the copies of rows [r0, r0 + NR) of src[:, head, :] (16-byte pieces of EPP
         elements, NU per thread) into buf, zeros for rows at or past ``limit``."""
         @cuda.jit(device=True, inline="always")
-        def copy(buf, src, r0, head, limit, tid):
+        def copy(buf, src, r0, head, limit, tid, base):
             for u in range(NU):
                 c = tid + NT * u
                 if NU * NT == NR * DG or c < NR * DG:
                     r, dg = c // DG, c % DG
                     if r0 + r < limit:
-                        la.cp_async16(buf, r * KP + 4 * dg, src, (r0 + r, head, EPP * dg))
+                        la.cp_async16(buf, base + r * KP + 4 * dg, src, (r0 + r, head, EPP * dg))
                     else:
-                        la.st4w(buf, r * KP + 4 * dg, ZERO, ZERO, ZERO, ZERO)
+                        la.st4w(buf, base + r * KP + 4 * dg, ZERO, ZERO, ZERO, ZERO)
         return copy
 
     copy_tile = row_copier(BN, CU, 8)      # K / V: uint16 elements
@@ -457,8 +462,8 @@ def _make_mma_async(D, BN=64, WARPS=4, QS=False, MAXREG=None):
     @mh.kernel(NT, max_registers=MAXREG)
     def fused_mma_async(q32, k, v, out32, start_pos, n_keys, scale_log2, group):
         # q32: [T, Hq, D/2] u32, out32: [T, Hq, D/2] u32 (bf16 pairs); k/v: [S, Hkv, D] u16, rows 16-byte aligned
-        ks = cuda.shared.array(TW, uint32, alignment=A16)     # K tile: [key][d pair]
-        vs = cuda.shared.array(TW, uint32, alignment=A16)     # V tile: [key][d pair]
+        ks = cuda.shared.array(KVW, uint32, alignment=A16)    # K tile(s): [key][d pair]
+        vs = cuda.shared.array(KVW, uint32, alignment=A16)    # V tile(s): [key][d pair]
         qsm = cuda.shared.array(QW, uint32, alignment=A16)    # Q tile (QS): [row][d pair]
         mscr = cuda.shared.array((MS0, MS1), float64)
         rscr = cuda.shared.array(RS, float32)
@@ -472,8 +477,10 @@ def _make_mma_async(D, BN=64, WARPS=4, QS=False, MAXREG=None):
         g, t = lane >> 2, lane & 3
         last = min(start_pos + min(q0 + BM, T), n_keys)
         if QS:
-            copy_q(qsm, q32, q0, h, T, tid)
-        copy_tile(ks, k, 0, kvh, n_keys, tid)         # the first K tile (and Q) land while Q is read
+            copy_q(qsm, q32, q0, h, T, tid, 0)
+        copy_tile(ks, k, 0, kvh, n_keys, tid, 0)      # the first K tile (and Q) land while Q is read
+        if DB:
+            copy_tile(vs, v, 0, kvh, n_keys, tid, 0)
         la.cp_async_commit()
         w0 = q0 + (tid // 32) * 16                    # this warp's first query row
         r0 = w0 + g                                   # this thread's two query rows: r0 and r0 + 8
@@ -494,10 +501,22 @@ def _make_mma_async(D, BN=64, WARPS=4, QS=False, MAXREG=None):
         q_lane = (tid // 32) * 16 * KP + v_lane      # Q (QS): rows 0-7 / 8-15 x k 0-7 / 8-15 of the warp's rows
         clear = min(start_pos + w0 + 1, n_keys)       # keys [0, clear) are visible to every row of this warp
         for k0 in range(0, last, BN):
-            _wait_all()
-            cuda.syncthreads()                        # K(k0) has landed; every warp is done reading V
-            copy_tile(vs, v, k0, kvh, n_keys, tid)
-            la.cp_async_commit()
+            cur = ((k0 // BN) & 1) * TW if DB else 0  # this tile's buffer
+            if DB:
+                cuda.syncthreads()                    # every warp is done with the other buffers (tile j - 1)
+                if k0 + BN < last:                    # tile j + 1's K and V, in flight during all of tile j
+                    copy_tile(ks, k, k0 + BN, kvh, n_keys, tid, TW - cur)
+                    copy_tile(vs, v, k0 + BN, kvh, n_keys, tid, TW - cur)
+                    la.cp_async_commit()
+                    _wait_one()
+                else:
+                    _wait_all()
+                cuda.syncthreads()                    # tile j's K and V have landed
+            else:
+                _wait_all()
+                cuda.syncthreads()                    # K(k0) has landed; every warp is done reading V
+                copy_tile(vs, v, k0, kvh, n_keys, tid, 0)
+                la.cp_async_commit()
             for nt in range(NS):                      # S = Q K^T
                 s[4 * nt] = s[4 * nt + 1] = s[4 * nt + 2] = s[4 * nt + 3] = float32(0.0)
             for j in range(KQK // 2):
@@ -508,7 +527,7 @@ def _make_mma_async(D, BN=64, WARPS=4, QS=False, MAXREG=None):
                     a0, a1, a2, a3 = qf[8 * j], qf[8 * j + 1], qf[8 * j + 2], qf[8 * j + 3]
                     a4, a5, a6, a7 = qf[8 * j + 4], qf[8 * j + 5], qf[8 * j + 6], qf[8 * j + 7]
                 for nt in range(NS):
-                    b0, b1, b2, b3 = mh.ldmatrix_x4(ks, k_lane + nt * 8 * KP + 16 * j, lscr)
+                    b0, b1, b2, b3 = mh.ldmatrix_x4(ks, cur + k_lane + nt * 8 * KP + 16 * j, lscr)
                     c0, c1, c2, c3 = mh.mma_bf16_16816(
                         a0, a1, a2, a3, b0, b1, s[4 * nt], s[4 * nt + 1], s[4 * nt + 2], s[4 * nt + 3], mscr)
                     s[4 * nt], s[4 * nt + 1], s[4 * nt + 2], s[4 * nt + 3] = mh.mma_bf16_16816(
@@ -527,18 +546,19 @@ def _make_mma_async(D, BN=64, WARPS=4, QS=False, MAXREG=None):
                     if kpos + 1 > qpos1 or kpos + 1 >= n_keys:
                         s[4 * nt + 3] = NEG_INF
             m0, m1, l0, l1 = softmax_update(s, o, m0, m1, l0, l1, rscr)
-            _wait_all()
-            cuda.syncthreads()                        # V(k0) has landed; every warp is done reading K
-            if k0 + BN < last:
-                copy_tile(ks, k, k0 + BN, kvh, n_keys, tid)
-                la.cp_async_commit()
+            if not DB:
+                _wait_all()
+                cuda.syncthreads()                    # V(k0) has landed; every warp is done reading K
+                if k0 + BN < last:
+                    copy_tile(ks, k, k0 + BN, kvh, n_keys, tid, 0)
+                    la.cp_async_commit()
             for kk in range(KPV):                     # O += P V
                 pa0 = mh.pack_bf16x2(s[8 * kk], s[8 * kk + 1])
                 pa1 = mh.pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3])
                 pa2 = mh.pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5])
                 pa3 = mh.pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7])
                 for p in range(NO // 2):
-                    b0, b1, b2, b3 = mh.ldmatrix_x4_trans(vs, v_lane + kk * 16 * KP + 8 * p, lscr)
+                    b0, b1, b2, b3 = mh.ldmatrix_x4_trans(vs, cur + v_lane + kk * 16 * KP + 8 * p, lscr)
                     o[8 * p], o[8 * p + 1], o[8 * p + 2], o[8 * p + 3] = mh.mma_bf16_16816(
                         pa0, pa1, pa2, pa3, b0, b1, o[8 * p], o[8 * p + 1], o[8 * p + 2], o[8 * p + 3], mscr)
                     o[8 * p + 4], o[8 * p + 5], o[8 * p + 6], o[8 * p + 7] = mh.mma_bf16_16816(

@@ -114,6 +114,8 @@ def test_prefill_fused_mma_async_cp_async_and_ldmatrix(switch_interval, T, Hq, H
     ((32, 4, True, None), 21, 96, 40),     # 32-key tiles, Q in shared memory (D = 96: 12 pieces a row)
     ((32, 8, False, None), 130, 96, 0),    # 8 warps, 128 rows a block: two blocks, one partial; 384 pieces a
                                            # K / V tile for 256 threads, so the second copy round is partial
+    ((64, 4, False, None, True), 70, 64, 100),   # K and V double-buffered: three tiles through both buffers
+    ((32, 4, False, None, True), 21, 96, 40),    # the same at 32 keys a tile, the last tile partial
 ])
 def test_prefill_async_block_shapes(switch_interval, monkeypatch, shape, T, D, start_pos):
     # Every block shape the async route can be set to computes the same attention (the GPU bench picks one).
