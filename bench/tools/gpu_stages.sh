@@ -9,9 +9,12 @@ mkdir -p "$out" && out=$(cd "$out" && pwd)
 start=$(date +%s)
 export PYTHONUNBUFFERED=1
 here=$PWD
-if compgen -G ".whl/*.whl" >/dev/null && [ ! -d .site-wheels ]; then
+# the carried wheels, installed again whenever their list changed (a warm machine keeps the last install)
+if compgen -G ".whl/*.whl" >/dev/null && [ "$(ls .whl)" != "$(cat .site-wheels/.list 2>/dev/null)" ]; then
+  rm -rf .site-wheels
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .site-wheels .whl/*.whl \
     >"$out/install.log" 2>&1 || { cat "$out/install.log"; exit 1; }
+  ls .whl > .site-wheels/.list
 fi
 rm -rf .site-head
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target .site-head . >>"$out/install.log" 2>&1 \
