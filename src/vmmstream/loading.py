@@ -102,7 +102,8 @@ def plan_walked(config, tensors, budget: int, *, backend: str, prefill_chunk=Non
     """``make_plan`` with the kernels' workspace peaks for ``backend`` and, where ``prefill_chunk`` is not given:
     for a plan whose weights stream, the longest prefill walk within ``floor.WALK_SHARE`` of the budget that still
     fits (a plan note says what it costs); for a resident plan, the longest up to ``RESIDENT_WALK`` tokens within
-    the same share of the budget that leaves it resident (the legacy allocator's plans keep ``PREFILL_CHUNK``). What ``load_model`` and ``vmmstream plan`` both use."""
+    the same share of the budget that leaves it resident (the legacy allocator's plans keep ``PREFILL_CHUNK``).
+    What ``load_model`` and ``vmmstream plan`` both use."""
     from .planning import PREFILL_CHUNK, make_plan
     from .planning.plan import DEFAULT_MAX_CONTEXT
     c = config
@@ -113,10 +114,11 @@ def plan_walked(config, tensors, budget: int, *, backend: str, prefill_chunk=Non
         return make_plan(c, tensors, budget, prefill_chunk=walk, **kw,
                          workspace=workspace_peaks(c, mc, min(walk, mc), backend, kw.get("batch") or 1, gran))
     p = plan(int(prefill_chunk or PREFILL_CHUNK))
+
+    def floor_of(q):              # what a walk changes: activations and the workspaces
+        return q.activations + sum(q.workspace.values())
     if prefill_chunk is None and p.strategy == "streamed":
         # Streamed weights are read once per walk: a longer walk streams a long prompt's weights fewer times
-        def floor_of(q):              # what a walk changes: activations and the workspaces
-            return q.activations + sum(q.workspace.values())
         walk, longer = streaming_walk(c, mc, p.batch, gran, budget), None
         while walk > p.prefill_chunk and longer is None:      # the longest walk under its share that still fits
             try:
@@ -144,7 +146,8 @@ def plan_walked(config, tensors, budget: int, *, backend: str, prefill_chunk=Non
                 longer = plan(walk)
             except CapacityError:
                 longer = None
-            if longer is not None and longer.strategy == "resident":
+            if (longer is not None and longer.strategy == "resident"
+                    and floor_of(longer) - floor_of(p) <= budget // floor.WALK_SHARE):
                 return longer
             walk = max(p.prefill_chunk, 1 << (walk - 1).bit_length() - 1)
     return p
