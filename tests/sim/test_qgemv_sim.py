@@ -246,9 +246,10 @@ def test_qgemv_mma_pdl_option():
     ("mxfp4", 40, 4608, 3, True, True, False),     # 384 threads (not dividing the 512 chunks of a tile), two x
     # tiles, the second staged again at its own scale; early_y: the second groups loaded one step earlier,
     # across a tile boundary (4608: 36 groups, a second tile of 4) and with an odd count per warp (640: 5)
-    ("int4", 40, 4608, 1, False, False, True),
-    ("mxfp4", 40, 640, 2, True, False, True),
-    ("mxfp4", 40, 4608, 3, False, True, True),
+    # (early_y is an option, off by default: the slow tier)
+    pytest.param("int4", 40, 4608, 1, False, False, True, marks=pytest.mark.slow),
+    pytest.param("mxfp4", 40, 640, 2, True, False, True, marks=pytest.mark.slow),
+    pytest.param("mxfp4", 40, 4608, 3, False, True, True, marks=pytest.mark.slow),
 ])
 def test_qgemv_mma_row_tiles_share_one_staging(kind, n, k, row_tiles, bias, outlier, early_y):
     """Batch 1 with several 16-row tiles per block (``QgemvConfig(mma_row_tiles=r)``): 4 r warps stage x once
@@ -279,8 +280,8 @@ def test_qgemv_mma_row_tiles_share_one_staging(kind, n, k, row_tiles, bias, outl
 @pytest.mark.parametrize("row_tiles,split,x_first", [
     (4, None, None),      # the defaults at 4 row tiles: two mma chains, x loaded first (one chunk per thread)
     (7, None, None),      # 896 threads: threads 512 and up hold no chunk of x
-    (4, False, False),    # one chain, x after W (the loop before both options)
-    (2, True, True),      # x first at 2 row tiles: two chunks per thread
+    pytest.param(4, False, False, marks=pytest.mark.slow),  # one chain, x after W (the loop before both options)
+    pytest.param(2, True, True, marks=pytest.mark.slow),    # x first at 2 row tiles: two chunks per thread
 ])
 def test_qgemv_mma_mxfp4_chains_and_x_first(row_tiles, split, x_first):
     """MXFP4 at batch 1: a group's mma steps in two dependency chains (``mma_split``) and the first x tile
