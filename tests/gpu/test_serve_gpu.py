@@ -17,7 +17,7 @@ from vmmstream.memory import DeviceMemory
 from vmmstream.server.batch_engine import BatchSequenceEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_serve import NAME, Live, wait_idle  # noqa: E402  (the server harness of the host tests)
+from test_serve import NAME, Live, stream_all, wait_idle  # noqa: E402  (the server harness of the host tests)
 
 pytestmark = pytest.mark.gpu
 
@@ -39,7 +39,7 @@ def test_batched_server_under_load_keeps_the_budget_by_the_device_count(tmp_path
             free0, _ = driver.mem_get_info()
             committed0 = mem.snapshot()["committed"]
             live = Live(m, engine=BatchSequenceEngine(m), max_queue=64, queue_timeout=60.0)
-            got, errors, samples, done = {}, [], [], threading.Event()
+            samples, done = [], threading.Event()
 
             def sample():
                 while not done.is_set():
@@ -47,22 +47,9 @@ def test_batched_server_under_load_keeps_the_budget_by_the_device_count(tmp_path
                     samples.append((free0 - free, mem.snapshot()["committed"]))
                     time.sleep(0.002)
             try:
-                c = live.client()
-
-                def ask(i, sd):
-                    try:
-                        chunks = c.completions.create(model=NAME, prompt=prompts[i], max_tokens=8, temperature=0.7,
-                                                      seed=sd, stream=True)
-                        got[(i, sd)] = "".join(ch.choices[0].text for ch in chunks)
-                    except Exception as e:   # noqa: BLE001 - reported below
-                        errors.append(e)
                 watcher = threading.Thread(target=sample, daemon=True)
                 watcher.start()
-                threads = [threading.Thread(target=ask, args=key) for key in want]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join(120)
+                got, errors = stream_all(live.client(), prompts, want, 8, join_s=120)
                 wait_idle(live, 30.0)
             finally:
                 done.set()

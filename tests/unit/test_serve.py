@@ -132,6 +132,26 @@ def wait_idle(live, seconds=10.0) -> None:
         time.sleep(0.005)
 
 
+def stream_all(client, prompts, keys, max_tokens: int, join_s: float = 60.0):
+    """One streaming completion per (prompt index, seed) in ``keys``, each in its own thread, all at once:
+    ({key: text}, [errors])."""
+    got, errors = {}, []
+
+    def ask(i, sd):
+        try:
+            chunks = client.completions.create(model=NAME, prompt=prompts[i], max_tokens=max_tokens,
+                                               temperature=0.7, seed=sd, stream=True)
+            got[(i, sd)] = "".join(ch.choices[0].text for ch in chunks)
+        except Exception as e:   # noqa: BLE001 - returned to the test
+            errors.append(e)
+    threads = [threading.Thread(target=ask, args=key) for key in keys]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join_s)
+    return got, errors
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     path = make_chat_checkpoint(tmp_path_factory.mktemp("serve") / NAME)

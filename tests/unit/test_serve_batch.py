@@ -9,7 +9,7 @@ import time
 
 import pytest
 from chat_fixture import make_chat_checkpoint
-from test_serve import BRIEF, HELLO, MC, NAME, G, Live, wait_idle
+from test_serve import BRIEF, HELLO, MC, NAME, G, Live, stream_all, wait_idle
 
 import vmmstream
 from vmmstream.driver.host import HostDriver
@@ -93,22 +93,8 @@ def test_sixty_four_streaming_clients_on_the_batched_server(batch_model):
     want = {(i, sd): m.generate(p, 6, temperature=0.7, seed=sd) for i, p in enumerate(prompts) for sd in range(8)}
     kv = m.placement.batch_kv
     live = Live(m, engine=BatchSequenceEngine(m), max_queue=64, queue_timeout=30.0)
-    got, errors = {}, []
     try:
-        c = live.client()
-
-        def ask(i, sd):
-            try:
-                chunks = c.completions.create(model=NAME, prompt=prompts[i], max_tokens=6, temperature=0.7,
-                                              seed=sd, stream=True)
-                got[(i, sd)] = "".join(ch.choices[0].text for ch in chunks)
-            except Exception as e:   # noqa: BLE001 - reported below
-                errors.append(e)
-        threads = [threading.Thread(target=ask, args=key) for key in want]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        got, errors = stream_all(live.client(), prompts, want, 6)
         wait_idle(live)
         assert not errors and got == want
         assert live.engine.inner._dec.peak == 4 and kv.committed() == 0

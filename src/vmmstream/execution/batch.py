@@ -21,8 +21,6 @@ the new tokens.
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 
 from ..errors import CapacityError, ContextLengthError, VmmstreamError
@@ -73,20 +71,10 @@ class BatchDecoder:
         Philox stream, one offset a token)."""
         e, kv = self.e, self.kv
         n = len(ids)
-        if n < 1 or max_new_tokens < 1 or n + max_new_tokens > kv.max_context:
-            raise ContextLengthError(f"a prompt of {n} tokens + {max_new_tokens} new needs 1 to {kv.max_context} "
-                                     "positions (max_context)", requested=n + max_new_tokens,
-                                     max_context=kv.max_context)
         s = next((i for i, q in enumerate(self.slots) if q is None), None)
         if s is None:
             raise VmmstreamError(f"every one of the {kv.slots} sequence slots is taken: add after one leaves")
-        try:
-            kv.ensure(s, n + max_new_tokens)
-        except BaseException:
-            kv.release(s)                    # the chunks mapped before the refusal
-            raise
-        seq = Sequence(s, n, max_new_tokens, stop, return_logits, sampling, seed)
-        self.slots[s] = seq
+        seq = self._join(s, n, max_new_tokens, stop, return_logits, sampling, seed)
         try:
             step, own = e.step, e.step.kv
             step.kv = kv.slot(s)
@@ -106,6 +94,21 @@ class BatchDecoder:
             raise
         if seq.done:                         # its first token ended it: it leaves at once
             self.finish(seq)
+        return seq
+
+    def _join(self, s: int, n: int, m: int, stop, return_logits, sampling, seed) -> Sequence:
+        """Slot ``s`` takes a sequence of an ``n``-token prompt and up to ``m`` new tokens: its KV pages committed
+        (``CapacityError`` with none of them left mapped), the slot held. Not yet prefilled."""
+        kv = self.kv
+        if n < 1 or m < 1 or n + m > kv.max_context:
+            raise ContextLengthError(f"a prompt of {n} tokens + {m} new needs 1 to {kv.max_context} "
+                                     "positions (max_context)", requested=n + m, max_context=kv.max_context)
+        try:
+            kv.ensure(s, n + m)
+        except BaseException:
+            kv.release(s)                    # the chunks mapped before the refusal
+            raise
+        seq = self.slots[s] = Sequence(s, n, m, stop, return_logits, sampling, seed)
         return seq
 
     def add_many(self, requests) -> list[Sequence]:
@@ -139,20 +142,13 @@ class BatchDecoder:
                 s = next((i for i, q in enumerate(self.slots) if q is None), None)
                 if s is None or (group and sum(q.n for q in group) + len(ids) > e.acts.tmax):
                     break
-                n = len(ids)
-                if n < 1 or m < 1 or n + m > kv.max_context:
-                    raise ContextLengthError(f"a prompt of {n} tokens + {m} new needs 1 to {kv.max_context} "
-                                             "positions (max_context)", requested=n + m, max_context=kv.max_context)
                 try:
-                    kv.ensure(s, n + m)
-                except BaseException:
-                    kv.release(s)
-                    if group and isinstance(sys.exc_info()[1], CapacityError):
+                    seq = self._join(s, len(ids), m, kw.get("stop", frozenset()), kw.get("return_logits", False),
+                                     kw.get("sampling"), kw.get("seed", 0))
+                except CapacityError:
+                    if group:
                         break                      # the ones committed so far join; this one waits
                     raise
-                seq = Sequence(s, n, m, kw.get("stop", frozenset()), kw.get("return_logits", False),
-                               kw.get("sampling"), kw.get("seed", 0))
-                self.slots[s] = seq
                 group.append(seq)
                 prompts.append(ids)
             if not group:
