@@ -582,3 +582,37 @@ def test_cli_serve_refuses_what_it_cannot_do(model, monkeypatch, capsys):
     assert main(["serve", str(model.path), "--backend", "host"]) == 2
     err = capsys.readouterr().err
     assert "uvicorn missing" in err and "pip install 'vmmstream[serve]'" in err
+
+
+def test_a_client_gone_while_queued_is_answered_by_nobody_and_its_job_cancelled():
+    """The disconnect wins the race with the admission: ``_admitted`` is False (no error raised into the
+    server's log) and the waiting job's own cancellation has run by then."""
+    from vmmstream.server.app import _admitted
+
+    class Job:
+        cancelled = False
+
+        async def admitted(self):
+            try:
+                await asyncio.sleep(3600)          # never admitted
+            except asyncio.CancelledError:
+                self.cancelled = True
+                raise
+
+    class Gone:
+        async def receive(self):
+            return {"type": "http.disconnect"}
+
+    job = Job()
+    assert asyncio.run(_admitted(job, Gone())) is False
+    assert job.cancelled
+
+    class Started(Job):
+        async def admitted(self):
+            return None
+
+    class Silent:
+        async def receive(self):
+            await asyncio.sleep(3600)
+
+    assert asyncio.run(_admitted(Started(), Silent())) is True

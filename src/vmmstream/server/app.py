@@ -8,6 +8,7 @@ model but through the engine and the scheduler.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -215,10 +216,12 @@ async def _admitted(job, request: Request) -> bool:
         gone.cancel()
         if not admitted.done():
             admitted.cancel()                 # Job.admitted cancels the job
-    if admitted.cancelled():
-        return False
-    admitted.result()
-    return True
+    if admitted.done() and not admitted.cancelled():
+        admitted.result()                     # Rejected, or the engine's error, raised here
+        return True
+    with contextlib.suppress(asyncio.CancelledError):
+        await admitted                        # a cancel takes effect when the task next runs: let it
+    return False
 
 
 async def _collect(answer: _Answer, job, request: Request):
