@@ -37,6 +37,9 @@ def add_subcommands(subparsers) -> None:
     p.add_argument("--quantize", default=None, choices=("int4", "mxfp4"),
                    help="store the layers' linear weights quantized (quantized while loading)")
     p.add_argument("--backend", default=None, choices=("cuda", "host", "auto"))
+    p.add_argument("--no-warmup", action="store_true",
+                   help="start listening before the batch kernels are compiled and their graphs captured "
+                        "(the first requests then pay for it)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(fn=_serve)
 
@@ -58,6 +61,13 @@ def _serve(args) -> int:
     with load_model(args.model, args.budget, max_context=args.max_context, slots=args.slots,
                     backend=args.backend, quantize=args.quantize, max_batch=batch) as model:
         engine = BatchSequenceEngine(model) if batch else SingleSequenceEngine(model)
+        if batch and not args.no_warmup:
+            t1 = time.perf_counter()
+            print("vmmstream serve: warming up (kernels and the decode graphs of every batch size)...",
+                  file=sys.stderr, flush=True)
+            w = engine.warm()
+            print(f"vmmstream serve: warm in {time.perf_counter() - t1:.1f} s (batch sizes "
+                  f"{', '.join(map(str, w['buckets']))})", file=sys.stderr, flush=True)
         server = make_server(model, engine=engine, host=args.host, port=args.port, model_name=args.model_name,
                              max_queue=args.queue, queue_timeout=args.queue_timeout, log_level=args.log_level)
         p = model.plan

@@ -12,11 +12,11 @@ weight read once for the group; each prompt's attention over its own slot). A se
 every token it may produce, so a step never maps any — and unmapped when it leaves; a join whose pages cannot be
 committed raises (``CapacityError`` from the memory authority) with nothing of it left mapped. The decode state (last token, position,
 length and KV row of each slot) lives on the host and is uploaded before each step; the step runs the first
-``n`` slots, ``n`` one past the highest slot in use (a free slot inside has length 0: attention reads nothing and
-its K / V row is none). Each sequence is greedy or samples with its own (temperature, top_k, top_p) and seed,
+``n`` slots, ``n`` one past the highest slot in use rounded up to a power of two (``bucket``; a free slot inside
+has length 0: attention reads nothing and its K / V row is none). Each sequence is greedy or samples with its own (temperature, top_k, top_p) and seed,
 drawing what it draws alone. A greedy step of ``n`` slots runs eagerly the first time, then as a captured graph
-(one per ``n``, kept by the engine); a step with a sampled sequence runs eagerly; each step ends with a read of
-the new tokens.
+(one per bucket, kept by the engine); a step with a sampled sequence runs eagerly; each step ends with a read of
+the new tokens. ``warm()`` takes all of these once (a server does before it listens).
 """
 
 from __future__ import annotations
@@ -219,7 +219,7 @@ class BatchDecoder:
         if not live:
             return []
         e, kv, d = self.e, self.kv, self.e.driver
-        n = 1 + max(q.slot for q in live)
+        n = self.bucket(1 + max(q.slot for q in live))
         self.peak = max(self.peak, len(live))
         state = np.zeros((4, n), np.int32)                  # inp, positions, lens, rows
         state[3] = -1                                       # a free slot's K / V go nowhere
@@ -252,6 +252,51 @@ class BatchDecoder:
             if q.done:
                 self.finish(q)
         return out
+
+    def bucket(self, n: int) -> int:
+        """The step that runs the first ``n`` slots: the next power of two, at most every slot (the rows past
+        ``n`` are free: they read and write nothing). So a batch has a handful of step sizes — of kernels'
+        shapes, eager first steps and captured graphs — however its sequences come and go."""
+        b = 1
+        while b < n:
+            b *= 2
+        return min(b, self.kv.slots)
+
+    def buckets(self) -> list[int]:
+        return sorted({self.bucket(n) for n in range(1, self.kv.slots + 1)})
+
+    def warm(self) -> dict:
+        """Take every path a batch's requests take once, before the first one comes: a packed prefill, a lone
+        one, a sampled step, and each bucket's greedy step twice (eagerly, which compiles or loads its kernels,
+        then captured). A server calls it after loading, so no request pays a kernel compile or a capture. The
+        bucket steps run with every slot free; the prefills join short sequences that leave at once. Returns
+        what it did: ``buckets``, and ``joins`` (False when the pages of a join could not be committed now)."""
+        if self.active():
+            raise VmmstreamError("warm() runs before any sequence joins")
+        joins = True
+        try:
+            for q in self.add_many([([1, 2], 2, {}), ([1], 2, {})]):
+                if not q.done:
+                    self.step()
+            q = self.add([1], 2, sampling=(1.0, 0, 1.0), seed=0)
+            while q in self.active():
+                self.step()
+        except CapacityError:
+            joins = False
+        finally:
+            for q in self.active():
+                self.finish(q)
+        e, d = self.e, self.e.driver
+        for n in self.buckets():
+            h = e._host("state", np.int32, 4 * n)
+            h[:] = 0
+            h[3 * n:] = -1                                  # rows: every slot free, its K / V go nowhere
+            for i, name in enumerate(("inp", "positions", "lens", "rows")):
+                d.memcpy_htod_async(e.acts.addr(name), h.ctypes.data + 4 * n * i, 4 * n, e.S)
+            for _ in range(2):
+                self._run_step(n)
+            d.stream_synchronize(e.S)
+        return {"buckets": self.buckets(), "joins": joins}
 
     def _read_next(self, n: int, seqs):
         """The first ``n`` rows of ``next`` (and of ``logits`` when one of ``seqs`` keeps them), after the queued work."""

@@ -32,6 +32,14 @@ class BatchSequenceEngine:
             self._dec = BatchDecoder(self.model.engine, self.model.placement.batch_kv)
         return self._dec
 
+    def warm(self) -> dict:
+        """Compile (or load from the disk cache) and capture what requests will run, before the first comes
+        (``BatchDecoder.warm``)."""
+        m = self.model
+        with m._lock:
+            m._take_engine(batch=True)
+            return self._decoder().warm()
+
     def prepare(self, params: GenerationParams) -> Prepared:
         m = self.model
         opts = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed,
