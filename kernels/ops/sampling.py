@@ -226,21 +226,14 @@ _argmax_final_kernel = jit(_argmax_final)
 
 
 @functools.lru_cache(maxsize=None)
-def _make_sample(in_bf16: bool):
-    def sample_kernel(logits, out_ids, rng, vocab, inv_temp, greedy, top_k, top_p):
-        # logits: [B, V] f32|bf16; out_ids: [B] int32; rng: [4] uint64 (seed, offset, blocks_done, -)
-        # grid: B; block: threads (multiple of 32)
-        b = cuda.blockIdx.x
+def _make_draw(in_bf16: bool):
+    """``draw(logits, b, vocab, inv_temp, greedy, top_k, top_p, seed, offset, sv, si, hist, sel)``: the block's
+    token for row b, the same value in every thread (Philox counter row 0: a row draws as a batch of one)."""
+    @cuda.jit(device=True, inline="always")
+    def draw(logits, b, vocab, inv_temp, greedy, top_k, top_p, seed, offset, sv, si, hist, sel):
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
-        sv = cuda.shared.array(32, np.float32)
-        si = cuda.shared.array(32, np.int32)
-        hist = cuda.shared.array(256, np.int64)
-        sel = cuda.shared.array(2, np.int64)
         m32 = np.uint64(_MASK32)
-        seed = rng[0]
-        offset = rng[1]
-
         m = np.float32(-np.inf)
         for i in range(tid, vocab, nthreads):
             m = max(m, _logit(logits, b, i, in_bf16))
@@ -274,7 +267,26 @@ def _make_sample(in_bf16: bool):
                             bv = score
                             bi = np.int32(i)
         bv, bi = _block_argmax(bv, bi, sv, si)
-        if tid == 0:
+        return bi
+
+    return draw
+
+
+@functools.lru_cache(maxsize=None)
+def _make_sample(in_bf16: bool):
+    draw = _make_draw(in_bf16)
+
+    def sample_kernel(logits, out_ids, rng, vocab, inv_temp, greedy, top_k, top_p):
+        # logits: [B, V] f32|bf16; out_ids: [B] int32; rng: [4] uint64 (seed, offset, blocks_done, -)
+        # grid: B; block: threads (multiple of 32)
+        b = cuda.blockIdx.x
+        sv = cuda.shared.array(32, np.float32)
+        si = cuda.shared.array(32, np.int32)
+        hist = cuda.shared.array(256, np.int64)
+        sel = cuda.shared.array(2, np.int64)
+        offset = rng[1]
+        bi = draw(logits, b, vocab, inv_temp, greedy, top_k, top_p, rng[0], offset, sv, si, hist, sel)
+        if cuda.threadIdx.x == 0:
             out_ids[b] = bi
             # every block has read `offset` (before its barriers); the last one to finish advances it
             if cuda.atomic.add(rng, 2, np.uint64(1)) == np.uint64(cuda.gridDim.x - 1):
@@ -282,6 +294,30 @@ def _make_sample(in_bf16: bool):
                 rng[2] = np.uint64(0)
 
     return jit(sample_kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def _make_sample_rows(in_bf16: bool):
+    draw = _make_draw(in_bf16)
+
+    def sample_rows_kernel(logits, out_ids, rng_rows, params, top_ks, vocab):
+        # Each row with its own parameters and Philox state: params[b] = (1 / temperature, top_p), 1 / T <= 0
+        # leaves row b as it is (greedy: out_ids[b] already holds its argmax); rng_rows[b] = (seed, offset, -, -),
+        # set by the caller before each launch. grid: the rows; block: threads (multiple of 32)
+        b = cuda.blockIdx.x
+        inv_temp = params[b, 0]
+        if inv_temp <= np.float32(0.0):
+            return                                  # the whole block: no barrier is skipped by part of it
+        sv = cuda.shared.array(32, np.float32)
+        si = cuda.shared.array(32, np.int32)
+        hist = cuda.shared.array(256, np.int64)
+        sel = cuda.shared.array(2, np.int64)
+        bi = draw(logits[b:b + 1], 0, vocab, inv_temp, False, top_ks[b], params[b, 1], rng_rows[b, 0],
+                  rng_rows[b, 1], sv, si, hist, sel)
+        if cuda.threadIdx.x == 0:
+            out_ids[b] = bi
+
+    return jit(sample_rows_kernel)
 
 
 # -------------------------------------------------------------------------------------------- host
@@ -339,6 +375,27 @@ def sample(logits, out_ids, rng_state, *, temperature: float = 1.0, top_k: int =
         logits, out_ids, rng_state, v, inv_temp, greedy, int(top_k), np.float32(top_p))
 
 
+def sample_rows(logits, out_ids, rng_rows, params, top_ks, *, stream=None, threads: int = 512):
+    """Row b of logits [B, V] drawn with its own parameters: ``params`` float32 [B, 2] = (1 / temperature, top_p),
+    ``top_ks`` int32 [B] (0 = off), ``rng_rows`` uint64 [B, 4] = (seed, offset, -, -) (``make_rng_state``); the
+    draw is the one ``sample`` makes for that row alone with that state. A row with 1 / temperature <= 0 is
+    not touched (out_ids keeps what ``argmax`` wrote). Nothing advances: the caller sets the states before each
+    launch, so a captured graph may replay it with new parameters."""
+    b, v = logits.shape
+    if out_ids.shape != (b,) or rng_rows.shape != (b, 4) or params.shape != (b, 2) or top_ks.shape != (b,):
+        raise ValueError(f"sample_rows: logits {logits.shape}, out_ids {out_ids.shape}, rng_rows "
+                         f"{rng_rows.shape}, params {params.shape}, top_ks {top_ks.shape}")
+    _make_sample_rows(logits.dtype == np.uint16)[b, check_threads(threads), as_stream(stream)](
+        logits, out_ids, rng_rows, params, top_ks, v)
+
+
+def row_params(temperature: float, top_k: int, top_p: float) -> tuple[np.float32, np.float32, np.int32]:
+    """One row's ``sample_rows`` parameters: (1 / temperature, top_p, top_k); greedy is (0, 1, 0)."""
+    if temperature <= 0:
+        return np.float32(0.0), np.float32(1.0), np.int32(0)
+    return np.float32(1.0 / temperature), np.float32(top_p), np.int32(top_k)
+
+
 # --------------------------------------------------------------------------------------- reference
 
 def _as_f32(logits) -> np.ndarray:
@@ -392,6 +449,17 @@ def reference_sample(logits, rng_state, temperature: float = 1.0, top_k: int = 0
     return out
 
 
+def reference_sample_rows(logits, out_ids, rng_rows, params, top_ks) -> np.ndarray:
+    """``sample_rows`` on the host: out_ids with each drawing row replaced by its ``reference_sample``."""
+    out = np.array(out_ids, np.int32, copy=True)
+    for b in range(out.shape[0]):
+        inv_temp = np.float32(params[b, 0])
+        if inv_temp > 0:
+            out[b] = reference_sample(np.asarray(logits)[b:b + 1], rng_rows[b], float(1.0 / np.float64(inv_temp)),
+                                      int(top_ks[b]), float(params[b, 1]))[0]
+    return out
+
+
 def reference(logits, **kw):
     return reference_argmax(logits) if not kw else reference_sample(logits, **kw)
 
@@ -414,4 +482,6 @@ SIGNATURES = [
     (_argmax_final, "void(float32[:, ::1], int32[:, ::1], int32[::1], int64)"),
     (_make_sample(False).py_func, _SAMPLE_SIG.format(t="float32")),
     (_make_sample(True).py_func, _SAMPLE_SIG.format(t="uint16")),
+    (_make_sample_rows(False).py_func,
+     "void(float32[:, ::1], int32[::1], uint64[:, ::1], float32[:, ::1], int32[::1], int64)"),
 ]

@@ -275,6 +275,28 @@ def test_sample(stream, rng, temperature, top_k, top_p):
         np.testing.assert_array_equal(ids, sampling.reference_argmax(x))
 
 
+def test_sample_rows_matches_each_rows_own_sample(stream, rng):
+    """A batch of rows, each with its own parameters and state (one greedy, left as argmax wrote it), against
+    ``sample`` launched for each row alone with the same state."""
+    from numba import cuda
+    x = rng.standard_normal((4, V), dtype=np.float32) * 2
+    rows = [(0.8, 50, 1.0, 1, 3), (0.0, 0, 1.0, 0, 0), (1.0, 0, 0.9, 2, 9), (0.7, 40, 0.8, 1, 3)]
+    params = np.array([sampling.row_params(t, k, p)[:2] for t, k, p, _, _ in rows], np.float32)
+    top_ks = np.array([sampling.row_params(t, k, p)[2] for t, k, p, _, _ in rows], np.int32)
+    states = np.stack([sampling.make_rng_state(sd, off) for *_, sd, off in rows])
+    out = to_dev(np.full(4, -5, np.int32), stream)
+    sampling.sample_rows(to_dev(x, stream), out, to_dev(states, stream), to_dev(params, stream),
+                         to_dev(top_ks, stream), stream=stream)
+    got = get(out, stream)
+    assert got[1] == -5
+    for b, (t, k, p, sd, off) in enumerate(rows):
+        if t > 0:
+            one = cuda.device_array(1, np.int32, stream=stream)
+            sampling.sample(to_dev(x[b:b + 1].copy(), stream), one, to_dev(sampling.make_rng_state(sd, off), stream),
+                            temperature=t, top_k=k, top_p=p, stream=stream)
+            assert got[b] == get(one, stream)[0], b
+
+
 def test_captured_decode_tail_replays(stream, rng):
     """embedding -> rmsnorm -> lm_head gemv -> argmax -> advance, captured once and replayed: every
     launch is capture-safe (global capture mode rejects any allocation or synchronize) and the graph

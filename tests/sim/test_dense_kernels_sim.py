@@ -493,6 +493,32 @@ def test_sample_properties(temperature, top_k, top_p):
     np.testing.assert_array_equal(out.copy_to_host(), draws[0])
 
 
+def test_sample_rows_draws_each_row_as_sample_does_alone():
+    """Rows with their own (temperature, top_k, top_p) and Philox state: each drawing row gets what ``sample``
+    draws for that row alone with that state (counter row 0); a greedy row keeps what was in out_ids; the states
+    are not advanced."""
+    rng = np.random.default_rng(12)
+    v = 301
+    x = np.concatenate([spread_logits(rng, v), spread_logits(rng, v)])          # 4 rows
+    rows = [(0.8, 20, 1.0, 3, 7), (0.0, 0, 1.0, 0, 0), (1.3, 0, 0.9, 11, 2), (1.0, 5, 0.8, 3, 7)]
+    params = np.array([sampling.row_params(t, k, p)[:2] for t, k, p, _, _ in rows], np.float32)
+    top_ks = np.array([sampling.row_params(t, k, p)[2] for t, k, p, _, _ in rows], np.int32)
+    states = np.stack([sampling.make_rng_state(sd, off) for *_, sd, off in rows])
+    out, st = dev(np.full(4, -5, np.int32)), dev(states)
+    sampling.sample_rows(dev(x), out, st, dev(params), dev(top_ks), threads=32)
+    got = out.copy_to_host()
+    np.testing.assert_array_equal(st.copy_to_host(), states)
+    np.testing.assert_array_equal(got, sampling.reference_sample_rows(x, np.full(4, -5, np.int32), states, params,
+                                                                      top_ks))
+    assert got[1] == -5
+    for b, (t, k, p, sd, off) in enumerate(rows):
+        if t > 0:
+            one = cuda.device_array(1, np.int32)
+            sampling.sample(dev(x[b:b + 1]), one, dev(sampling.make_rng_state(sd, off)), temperature=t, top_k=k,
+                            top_p=p, threads=32)
+            assert got[b] == one.copy_to_host()[0], b
+
+
 def test_sample_needs_no_workspace():
     assert sampling.workspace_requirement(4, 32000, route="sample").bytes == 0
 

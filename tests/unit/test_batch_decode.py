@@ -308,27 +308,34 @@ def test_steps_run_at_power_of_two_buckets_and_warm_takes_them_all_before_any_re
     mem, m = _load(ckpt, resident, max_batch=5)
     try:
         alone = [m.generate(p, 12, eos_token_id=[]) for p in PROMPTS]
+        drawn_alone = [m.generate(p, 12, eos_token_id=[], temperature=0.8, top_k=20, seed=i)
+                       for i, p in enumerate(PROMPTS)]
         dec = BatchDecoder(m.engine, m.placement.batch_kv)
         assert [dec.bucket(n) for n in range(1, 6)] == [1, 2, 4, 4, 5] and dec.buckets() == [1, 2, 4, 5]
         dec.close()
         m.engine.batch_graphs.clear()
         m.engine.batch_seen.clear()
         three = m.generate(PROMPTS[:3], 12, eos_token_id=[])
-        assert 3 not in m.engine.batch_graphs and m.engine.batch_graphs.get(4) is not None
+        assert (3, False) not in m.engine.batch_graphs and m.engine.batch_graphs.get((4, False)) is not None
         dec = BatchDecoder(m.engine, m.placement.batch_kv)
         idle = m.placement.batch_kv.committed()
         w = dec.warm()
         dec.close()
         assert w == {"buckets": [1, 2, 4, 5], "joins": True}
-        assert all(m.engine.batch_graphs.get(n) is not None for n in (1, 2, 4, 5))
+        assert all(m.engine.batch_graphs.get((n, s)) is not None for n in (1, 2, 4, 5) for s in (False, True))
         assert m.placement.batch_kv.committed() == idle         # the warm-up's sequences left
         c0 = dict(m.engine.counters)
         together = m.generate(PROMPTS, 12, eos_token_id=[])
         c = m.engine.counters
         assert c["batch_graph_captures"] == c0["batch_graph_captures"]
         assert c["eager_steps"] - c0["eager_steps"] == c["packed_prefills"] - c0["packed_prefills"]
+        c0 = dict(c)          # draws too: the sampled steps replay the graphs captured with free rows
+        drawn = m.generate(PROMPTS, 12, eos_token_id=[], temperature=0.8, top_k=20, seed=list(range(5)))
+        assert c["batch_graph_captures"] == c0["batch_graph_captures"]
+        assert c["batch_graph_replays"] - c0["batch_graph_replays"] == 11
     finally:
         m.close()
         mem.close()
     assert three == alone[:3]
     assert together == alone
+    assert drawn == drawn_alone

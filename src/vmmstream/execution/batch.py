@@ -14,9 +14,9 @@ committed raises (``CapacityError`` from the memory authority) with nothing of i
 length and KV row of each slot) lives on the host and is uploaded before each step; the step runs the first
 ``n`` slots, ``n`` one past the highest slot in use rounded up to a power of two (``bucket``; a free slot inside
 has length 0: attention reads nothing and its K / V row is none). Each sequence is greedy or samples with its own (temperature, top_k, top_p) and seed,
-drawing what it draws alone. A greedy step of ``n`` slots runs eagerly the first time, then as a captured graph
-(one per bucket, kept by the engine); a step with a sampled sequence runs eagerly; each step ends with a read of
-the new tokens. ``warm()`` takes all of these once (a server does before it listens).
+drawing what it draws alone. A step of ``n`` slots runs eagerly the first time, then as a captured graph (one
+per bucket, greedy or with draws, kept by the engine; the draws' parameters and Philox states are uploaded before
+each step, like the decode state); each step ends with a read of the new tokens. ``warm()`` takes all of these once (a server does before it listens).
 """
 
 from __future__ import annotations
@@ -230,17 +230,10 @@ class BatchDecoder:
         h[:] = state.reshape(-1)
         for i, name in enumerate(("inp", "positions", "lens", "rows")):
             d.memcpy_htod_async(e.acts.addr(name), h.ctypes.data + 4 * n * i, 4 * n, e.S)
-        sampled = [q for q in live if q.sampling is not None]
-        if sampled:                 # eager: each sampled row drawn with its own parameters and Philox stream
-            from vmmstream.kernels.ops.sampling import make_rng_state
-            rng = e._host("rngrows", np.uint64, 4 * n)
-            for q in sampled:       # the offset of its k-th new token is k - 1 (the prefill drew the first)
-                rng[4 * q.slot:4 * q.slot + 4] = make_rng_state(q.seed, len(q.tokens))
-            d.memcpy_htod_async(e.acts.addr("rng_rows"), rng.ctypes.data, 32 * n, e.S)
-            draws = [(q.slot, q.sampling) for q in sampled]
-            e._eager(lambda: e.step.decode_batch(n, kv.view(n), draws=draws))
-        else:
-            self._run_step(n)
+        sampled = any(q.sampling is not None for q in live)
+        if sampled:                 # each sampled row drawn with its own parameters and Philox stream
+            self._upload_draws(n, live)
+        self._run_step(n, sampled)
         nxt, logits = self._read_next(n, live)
         self.steps += 1
         e.counters["decode_tokens"] += len(live)
@@ -252,6 +245,21 @@ class BatchDecoder:
             if q.done:
                 self.finish(q)
         return out
+
+    def _upload_draws(self, n: int, live) -> None:
+        """The sampling rows of the first ``n`` slots: each sampled sequence's (1 / temperature, top_p), top_k and
+        Philox state at its next token's offset; every other row greedy (0: its argmax stands)."""
+        from vmmstream.kernels.ops.sampling import make_rng_state, row_params
+        e, d = self.e, self.e.driver
+        rng, prm, tk = e._host("rngrows", np.uint64, 4 * n), e._host("samp", np.float32, 2 * n), \
+            e._host("sampk", np.int32, n)
+        rng[:], prm[:], tk[:] = 0, 0, 0
+        for q in live:
+            if q.sampling is not None:  # the offset of its k-th new token is k - 1 (the prefill drew the first)
+                rng[4 * q.slot:4 * q.slot + 4] = make_rng_state(q.seed, len(q.tokens))
+                prm[2 * q.slot], prm[2 * q.slot + 1], tk[q.slot] = row_params(*q.sampling)
+        for name, h, size in (("rng_rows", rng, 32), ("samp", prm, 8), ("samp_k", tk, 4)):
+            d.memcpy_htod_async(e.acts.addr(name), h.ctypes.data, size * n, e.S)
 
     def bucket(self, n: int) -> int:
         """The step that runs the first ``n`` slots: the next power of two, at most every slot (the rows past
@@ -267,8 +275,8 @@ class BatchDecoder:
 
     def warm(self) -> dict:
         """Take every path a batch's requests take once, before the first one comes: a packed prefill, a lone
-        one, a sampled step, and each bucket's greedy step twice (eagerly, which compiles or loads its kernels,
-        then captured). A server calls it after loading, so no request pays a kernel compile or a capture. The
+        one, a sampled step, and each bucket's step, greedy and with draws, twice (eagerly, which compiles or
+        loads its kernels, then captured). A server calls it after loading, so no request pays a kernel compile or a capture. The
         bucket steps run with every slot free; the prefills join short sequences that leave at once. Returns
         what it did: ``buckets``, and ``joins`` (False when the pages of a join could not be committed now)."""
         if self.active():
@@ -293,8 +301,10 @@ class BatchDecoder:
             h[3 * n:] = -1                                  # rows: every slot free, its K / V go nowhere
             for i, name in enumerate(("inp", "positions", "lens", "rows")):
                 d.memcpy_htod_async(e.acts.addr(name), h.ctypes.data + 4 * n * i, 4 * n, e.S)
-            for _ in range(2):
-                self._run_step(n)
+            self._upload_draws(n, [])                       # no row draws: the sampled step's kernels still run
+            for sampled in (False, True):
+                for _ in range(2):
+                    self._run_step(n, sampled)
             d.stream_synchronize(e.S)
         return {"buckets": self.buckets(), "joins": joins}
 
@@ -310,33 +320,35 @@ class BatchDecoder:
         d.stream_synchronize(e.S)
         return nxt, logits
 
-    def _run_step(self, n: int) -> None:
-        """The step of the first ``n`` slots: eagerly the first time ``n`` is seen (which compiles and loads every
-        kernel it needs), then captured once and replayed; the state it reads was uploaded before."""
-        e, kv = self.e, self.kv
-        g = e.batch_graphs.get(n)
+    def _run_step(self, n: int, sampled: bool = False) -> None:
+        """The step of the first ``n`` slots (``sampled``: with the draws of ``_upload_draws``): eagerly the first
+        time it is seen (which compiles and loads every kernel it needs), then captured once and replayed; the
+        state it reads was uploaded before."""
+        e, kv, key = self.e, self.kv, (n, sampled)
+        g = e.batch_graphs.get(key)
         ex = e.weights.experts if e.weights is not None else None
         if ex is not None and ex.on_demand and e.ops.backend != "host":
-            e.batch_graphs[n] = None     # experts streamed on demand: host-driven rounds, so the steps run eagerly
-        if g is None and n in e.batch_seen:
+            e.batch_graphs[key] = None   # experts streamed on demand: host-driven rounds, so the steps run eagerly
+        if g is None and key in e.batch_seen:
             from ..errors import DriverError
             from .graph import DecodeGraph
             before = e.streamer.issued
             try:
-                g = DecodeGraph(e.driver, e.S, lambda: e.step.decode_batch(n, kv.view(n), timed=False),
-                                key=("batch", n))
+                g = DecodeGraph(e.driver, e.S, lambda: e.step.decode_batch(n, kv.view(n), timed=False,
+                                                                           sampled=sampled),
+                                key=("batch", n, sampled))
             except DriverError:
                 e.streamer.issued = before
-                e.batch_seen.discard(n)           # never captured: this n steps eagerly from now on
-                e.batch_graphs[n] = None
+                e.batch_seen.discard(key)         # never captured: this step runs eagerly from now on
+                e.batch_graphs[key] = None
             else:
                 g.copies = e.streamer.issued - before
-                e.batch_graphs[n] = g
+                e.batch_graphs[key] = g
                 e.counters["batch_graph_captures"] += 1
         if g is None:
-            e._eager(lambda: e.step.decode_batch(n, kv.view(n)))
-            if n not in e.batch_graphs:
-                e.batch_seen.add(n)
+            e._eager(lambda: e.step.decode_batch(n, kv.view(n), sampled=sampled))
+            if key not in e.batch_graphs:
+                e.batch_seen.add(key)
             return
         g.replay()
         e.counters["batch_graph_replays"] += 1

@@ -101,7 +101,8 @@ class Engine:
         lay, off = {}, 0
         for name, n in (("ids", 4 * tmax), ("pos", 4 * tmax), ("prow", 4 * tmax), ("scalars", 16), ("rng", 32),
                         ("inv_freq", 2 * c.head_dim), ("tokens", 4 * max(plan.max_context, plan.batch)),
-                        ("logits", 4 * c.vocab_size), ("state", 16 * plan.batch), ("rngrows", 32 * plan.batch)):
+                        ("logits", 4 * c.vocab_size), ("state", 16 * plan.batch), ("rngrows", 32 * plan.batch),
+                        ("samp", 8 * plan.batch), ("sampk", 4 * plan.batch)):
             lay[name] = off
             off = align_up(off + n, 256)
         with uninterruptible():            # allocated and kept together, so close() frees it

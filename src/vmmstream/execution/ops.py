@@ -267,6 +267,10 @@ class HostOps:
             rng[1] += np.uint64(1)         # the kernel advances its Philox offset once per launch
         self._run(s, run)
 
+    def sample_rows(self, s, logits, out_ids, rng_rows, params, top_ks):
+        ref = self.k["sampling"].reference_sample_rows
+        self._run(s, lambda: self._copy(out_ids, ref(logits, out_ids, rng_rows, params, top_ks)))
+
     def advance(self, s, next_ids, input_ids, positions, seq_lens, out_tokens):
         ref = self.k["scalars"].reference
 
@@ -506,6 +510,10 @@ class CudaOps:
         self.launches += 1
         self.k["sampling"].sample(logits, out_ids, rng, temperature=temperature, top_k=top_k, top_p=top_p,
                                   stream=self._s(s))
+
+    def sample_rows(self, s, logits, out_ids, rng_rows, params, top_ks):
+        self.launches += 1
+        self.k["sampling"].sample_rows(logits, out_ids, rng_rows, params, top_ks, stream=self._s(s))
 
     def advance(self, s, next_ids, input_ids, positions, seq_lens, out_tokens):
         self.launches += 1

@@ -55,6 +55,8 @@ class Activations:
             "positions": ((), np.int32, "batch"), "lens": ((), np.int32, "batch"),
             "rows": ((), np.int32, "batch"),          # KV cache row of each sequence's new token (batch)
             "rng_rows": ((4,), np.uint64, "batch"),   # each sequence's Philox state (batch, sampled rows)
+            "samp": ((2,), np.float32, "batch"),      # each sequence's (1 / temperature, top_p); 0: greedy
+            "samp_k": ((), np.int32, "batch"),        # and its top_k (0: off)
             "rng": ((4,), np.uint64, False), "out_tokens": ((1, plan.max_context), np.int32, False),
             "inv_freq": ((c.rotary_dim // 2,), np.float32, False),     # RoPE table: the rotated pairs only
         }
@@ -359,18 +361,18 @@ class Step:
     def _moe_ws(self, decode: bool):
         return self.ws_session if decode else self._ws_step
 
-    def decode_batch(self, n: int, kv, *, timed: bool = True, draws=()) -> None:
+    def decode_batch(self, n: int, kv, *, timed: bool = True, sampled: bool = False) -> None:
         """One decode step of ``n`` sequences (the decode state's first ``n`` rows; ``kv`` the batch's cache view):
-        next[b] = argmax of sequence b's logits, or for each ``(b, (temperature, top_k, top_p))`` of ``draws`` a
-        draw with row b's Philox state (``rng_rows[b]``). The owner advances the state. Untimed in a capture."""
+        next[b] = argmax of sequence b's logits; with ``sampled``, then a draw for each row whose ``samp`` says
+        so, with its own parameters and Philox state (``rng_rows[b]``), all read from device memory, so a
+        captured step draws with whatever the owner uploaded before the replay. Untimed in a capture."""
         self.streamer.begin(timed=timed)
         self.body(n, decode=True, kv=kv)
         self.streamer.end()
         a = self.acts.views(n)
         self.ops.argmax(self.S, a.logits, a.next, self.ws_session)
-        for b, (temperature, top_k, top_p) in draws:
-            self.ops.sample(self.S, self.acts.rows("logits", b, 1), self.acts.row("next", b),
-                            self.acts.row("rng_rows", b), temperature, top_k, top_p)
+        if sampled:
+            self.ops.sample_rows(self.S, a.logits, a.next, a.rng_rows, a.samp, a.samp_k)
 
     def select(self, sampling) -> None:
         """next = argmax(logits) (``sampling`` None) or a draw with (temperature, top_k, top_p)."""
