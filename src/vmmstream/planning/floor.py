@@ -16,7 +16,7 @@ PREFILL_SUB = 512              # of a longer walk, the tokens whose MLP product 
 BF16 = 2
 FUSED_HEAD_DIMS = tuple(range(16, 129, 16))   # head dims with a fused prefill route (no workspace): MMA_HEAD_DIMS
                                               # of kernels/attention/prefill.py
-_BUFFERS, _ALIGN = 32, 256        # activation buffers at most (execution/step.py), each aligned to 256 bytes
+_BUFFERS, _ALIGN = 40, 256        # activation buffers at most (execution/step.py), each aligned to 256 bytes
 _ARGMAX_SPLIT_CHUNK, _ARGMAX_MAX_SPLIT = 4096, 256    # kernels/sampling: greedy partials per row
 
 
@@ -94,7 +94,7 @@ def activation_bytes(config, max_context: int, batch: int, granularity: int,
     attention = rows * BF16 * (2 * q_dim + 2 * config.num_key_value_heads * config.head_dim)
     mlp = rows * BF16 * width + max(sub, min(batch, t)) * BF16 * 2 * width
     raw = rows * (per_token + 12) + max(attention, mlp) + batch * config.vocab_size * 4
-    raw += 4 * max_context + 52 * batch + 2 * config.head_dim + _BUFFERS * _ALIGN   # output tokens, decode state
+    raw += 4 * max_context + 64 * batch + 2 * config.head_dim + _BUFFERS * _ALIGN   # output tokens, decode state
     # per sequence, RoPE table, alignment
     if experts:     # expert location table, routing counts, decode counters
         raw += 12 * config.num_hidden_layers * experts + 24 + 4 * 256
