@@ -333,9 +333,23 @@ def test_steps_run_at_power_of_two_buckets_and_warm_takes_them_all_before_any_re
         drawn = m.generate(PROMPTS, 12, eos_token_id=[], temperature=0.8, top_k=20, seed=list(range(5)))
         assert c["batch_graph_captures"] == c0["batch_graph_captures"]
         assert c["batch_graph_replays"] - c0["batch_graph_replays"] == 11
+        # greedy and drawing rows in one step, leaving at different steps (the bucket shrinks from 4 to 2 to 1)
+        mixed_alone = [m.generate(PROMPTS[0], 9, eos_token_id=[]),
+                       m.generate(PROMPTS[1], 3, eos_token_id=[], temperature=1.1, top_p=0.9, seed=4),
+                       m.generate(PROMPTS[2], 6, eos_token_id=[], temperature=0.7, top_k=5, seed=9)]
+        dec = BatchDecoder(m.engine, m.placement.batch_kv)
+        seqs = [dec.add(PROMPTS[0], 9), dec.add(PROMPTS[1], 3, sampling=(1.1, 0, 0.9), seed=4),
+                dec.add(PROMPTS[2], 6, sampling=(0.7, 5, 1.0), seed=9)]
+        sizes = []
+        while dec.active():
+            sizes.append(dec.bucket(1 + max(q.slot for q in dec.active())))
+            dec.step()
+        dec.close()
+        mixed = [q.tokens for q in seqs]
     finally:
         m.close()
         mem.close()
     assert three == alone[:3]
     assert together == alone
     assert drawn == drawn_alone
+    assert mixed == mixed_alone and sizes[0] == 4 and sizes[-1] == 1

@@ -592,11 +592,14 @@ def test_a_client_gone_while_queued_is_answered_by_nobody_and_its_job_cancelled(
     class Job:
         cancelled = False
 
+        def cancel(self):
+            self.cancelled = True
+
         async def admitted(self):
             try:
                 await asyncio.sleep(3600)          # never admitted
             except asyncio.CancelledError:
-                self.cancelled = True
+                self.saw_cancel = True
                 raise
 
     class Gone:
@@ -605,7 +608,25 @@ def test_a_client_gone_while_queued_is_answered_by_nobody_and_its_job_cancelled(
 
     job = Job()
     assert asyncio.run(_admitted(job, Gone())) is False
-    assert job.cancelled
+    assert job.saw_cancel and job.cancelled
+
+    class StartedAsItLeft(Job):
+        """The worker started it as the client left: the wait's cancel is lost (asyncio.wait_for returns the
+        finished result), so only ``_admitted`` can end the job."""
+        ended = False
+
+        async def admitted(self):
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                return None
+
+        def cancel(self):
+            self.ended = True
+
+    job = StartedAsItLeft()
+    assert asyncio.run(_admitted(job, Gone())) is False
+    assert job.ended
 
     class Started(Job):
         async def admitted(self):

@@ -264,7 +264,10 @@ class BatchDecoder:
     def bucket(self, n: int) -> int:
         """The step that runs the first ``n`` slots: the next power of two, at most every slot (the rows past
         ``n`` are free: they read and write nothing). So a batch has a handful of step sizes — of kernels'
-        shapes, eager first steps and captured graphs — however its sequences come and go."""
+        shapes, eager first steps and captured graphs — however its sequences come and go. Not for a mixture of
+        experts: a free row would still be routed (counted, and with experts on demand, gathered)."""
+        if self.e.config.is_moe:
+            return n
         b = 1
         while b < n:
             b *= 2
@@ -276,37 +279,61 @@ class BatchDecoder:
     def warm(self) -> dict:
         """Take every path a batch's requests take once, before the first one comes: a packed prefill, a lone
         one, a sampled step, and each bucket's step, greedy and with draws, twice (eagerly, which compiles or
-        loads its kernels, then captured). A server calls it after loading, so no request pays a kernel compile or a capture. The
-        bucket steps run with every slot free; the prefills join short sequences that leave at once. Returns
+        loads its kernels, then captured). A server calls it after loading, so its requests find these compiled
+        and captured (a long prompt on a split attention route may still compile its own). The bucket steps run
+        with every slot free; the prefills join short sequences that leave at once; the statistics are put back
+        as they were. Returns
         what it did: ``buckets``, and ``joins`` (False when the pages of a join could not be committed now)."""
-        if self.active():
+        if any(q is not None for q in self.slots):
             raise VmmstreamError("warm() runs before any sequence joins")
+        e, d = self.e, self.e.driver
+        kept = self._counts()
         joins = True
         try:
-            for q in self.add_many([([1, 2], 2, {}), ([1], 2, {})]):
-                if not q.done:
+            try:
+                for q in self.add_many([([1, 2], 2, {}), ([1], 2, {})]):
+                    if not q.done:
+                        self.step()
+                q = self.add([1], 2, sampling=(1.0, 0, 1.0), seed=0)
+                while q in self.active():
                     self.step()
-            q = self.add([1], 2, sampling=(1.0, 0, 1.0), seed=0)
-            while q in self.active():
-                self.step()
-        except CapacityError:
-            joins = False
+            except CapacityError:
+                joins = False
+            finally:
+                for q in [q for q in self.slots if q is not None]:
+                    self.finish(q)
+            for n in self.buckets():
+                h = e._host("state", np.int32, 4 * n)
+                h[:] = 0
+                h[3 * n:] = -1                              # rows: every slot free, its K / V go nowhere
+                for i, name in enumerate(("inp", "positions", "lens", "rows")):
+                    d.memcpy_htod_async(e.acts.addr(name), h.ctypes.data + 4 * n * i, 4 * n, e.S)
+                self._upload_draws(n, [])                   # no row draws: the sampled step's kernels still run
+                for sampled in (False, True):
+                    for _ in range(2):
+                        self._run_step(n, sampled)
+                d.stream_synchronize(e.S)
         finally:
-            for q in self.active():
-                self.finish(q)
-        e, d = self.e, self.e.driver
-        for n in self.buckets():
-            h = e._host("state", np.int32, 4 * n)
-            h[:] = 0
-            h[3 * n:] = -1                                  # rows: every slot free, its K / V go nowhere
-            for i, name in enumerate(("inp", "positions", "lens", "rows")):
-                d.memcpy_htod_async(e.acts.addr(name), h.ctypes.data + 4 * n * i, 4 * n, e.S)
-            self._upload_draws(n, [])                       # no row draws: the sampled step's kernels still run
-            for sampled in (False, True):
-                for _ in range(2):
-                    self._run_step(n, sampled)
-            d.stream_synchronize(e.S)
+            self._counts(kept)          # the warm-up is no work of anyone's: statistics as they were
         return {"buckets": self.buckets(), "joins": joins}
+
+    def _counts(self, kept=None):
+        """The statistics a warm-up would move (the engine's counters, this decoder's, a mixture's routing
+        counts), or with ``kept`` put them back."""
+        e = self.e
+        ex = e.weights.experts if e.weights is not None else None
+        if kept is None:
+            routing = None if ex is None else (ex.counts, e.ops.to_host(ex.stats_dev).copy(),
+                                               dict(ex.host_counters))
+            return dict(e.counters), self.steps, self.peak, routing
+        counters, self.steps, self.peak, routing = kept
+        e.counters.clear()
+        e.counters.update(counters)
+        if routing is not None:
+            e.ops.to_device(ex.counts_dev, routing[0])
+            e.ops.to_device(ex.stats_dev, routing[1])
+            ex.host_counters.clear()
+            ex.host_counters.update(routing[2])
 
     def _read_next(self, n: int, seqs):
         """The first ``n`` rows of ``next`` (and of ``logits`` when one of ``seqs`` keeps them), after the queued work."""

@@ -59,8 +59,8 @@ class Engine:
         self.config, self.plan = config, plan
         self.graphs: dict = {}
         self.prefill_graphs: dict = {}     # padded prompt length -> its captured prefill
-        self.batch_graphs: dict = {}       # sequences n -> the captured greedy decode step of the first n slots
-        self.batch_seen: set = set()       # n whose step ran eagerly once (every kernel compiled and loaded)
+        self.batch_graphs: dict = {}       # (n, sampled) -> the captured decode step of the first n slots
+        self.batch_seen: set = set()       # (n, sampled) whose step ran eagerly once (kernels compiled and loaded)
         self._prefill_seen: set = set()
         self._prefill_ungraphable: set = set()
         self._prefill_copies: dict = {}

@@ -8,7 +8,6 @@ model but through the engine and the scheduler.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import uuid
@@ -219,8 +218,10 @@ async def _admitted(job, request: Request) -> bool:
     if admitted.done() and not admitted.cancelled():
         admitted.result()                     # Rejected, or the engine's error, raised here
         return True
-    with contextlib.suppress(asyncio.CancelledError):
-        await admitted                        # a cancel takes effect when the task next runs: let it
+    await asyncio.wait((admitted,))           # a cancel takes effect when the task next runs: let it
+    if not admitted.cancelled():
+        admitted.exception()                  # it ended anyway (started, or refused): nobody is there for it
+    job.cancel()                              # a job started just as the client left would run on for no one
     return False
 
 
