@@ -187,7 +187,9 @@ def test_bench_user_vmmstream(benchmark, checkpoints, tmp_path_factory, h2d_gbps
         info["ttft_floor_stream_s"] = streamed / (h2d_gbps * 1e9)
     benchmark.extra_info.update(info)
     print(f"\n{model} {budget}: ttft {', '.join(f'{n}: {v * 1e3:.0f} ms' for n, v in t.items())}; answer "
-          f"{a['wall_tok_s']:.1f} tok/s wall, {a['device_decode_tok_s']:.1f} device ({a['ratio_wall_vs_device']:.2f})")
+          f"{a['wall_tok_s']:.1f} tok/s wall, {a['device_decode_tok_s']:.1f} device ({a['ratio_wall_vs_device']:.2f})"
+          + (f"; streamed {streamed / 1e9:.2f} GB a step, H2D {h2d_gbps:.1f} GB/s: "
+             f"{1e3 * info['ttft_floor_stream_s']:.1f} ms" if streamed else ""))
 
 
 @pytest.mark.gpu
