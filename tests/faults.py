@@ -4,6 +4,7 @@ the loop that fails each call of an operation in turn."""
 from __future__ import annotations
 
 import signal
+import warnings
 
 from vmmstream.errors import DriverError
 
@@ -49,6 +50,11 @@ def each_call(driver, make_injector, run, on_fault):
     """Run ``run()`` with its n-th driver call failing (``make_injector(n)``), for n = 1, 2, ... until it completes;
     ``on_fault(exc)`` checks the state after each failure (``exc`` None where the operation absorbed it and went
     on). Returns (calls failed with an exception, the result of the first run no fault reached)."""
+    handler = signal.getsignal(signal.SIGINT)
+    if handler is not signal.default_int_handler:     # left by something before (this process runs many tests)
+        warnings.warn(f"SIGINT handler {handler!r} found in place of Python's default; restored for the "
+                      "fault loop", stacklevel=2)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     failed = 0
     for n in range(1, 100_000):
         inj = make_injector(n)
