@@ -413,3 +413,33 @@ def test_a_second_process_loads_every_kernel_from_the_disk_cache(small, tmp_path
     assert cold["uncached"] == [] and cold["misses"] > 0 and cold["hits"] == 0
     assert warm["misses"] == 0 and warm["hits"] == cold["misses"]
     assert warm["ids"] == cold["ids"] == streamed["ids"]
+
+
+def test_long_prompts_replayed_as_padded_graphs_on_cuda(driver, tmp_path, monkeypatch):
+    """Prompts above PREFILL_GRAPH_STEP tokens pad to a multiple of it and replay as captured graphs (the walk
+    longer than the MLP's sub-chunks, cuBLASLt or our GEMMs inside the capture): first logits as the unpadded
+    eager prefill's, within the oracle's bound, and the same greedy tokens."""
+    from vmmstream.execution import engine as eng
+    from vmmstream.model import make_checkpoint
+    path = make_checkpoint("small", tmp_path / "small", seed=5)
+    mc = 1100
+    fits, _ = _budgets(path, driver.granularity(), mc=mc)[:2]
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 200, n).tolist() for n in (600, 530, 600)]
+
+    def answers(graph_max):
+        monkeypatch.setattr(eng.Engine, "PREFILL_GRAPH_MAX", graph_max)
+        mem = memory(driver, fits * 4)
+        try:
+            with vmmstream.load_model(path, memory=mem, max_context=mc) as m:
+                assert m.acts.tmax >= 768 and m.acts.sub < 600         # one walk, the MLP in sub-chunks
+                out = [m.generate(p, 4, return_logits=True, eos_token_id=[]) for p in prompts]
+                return out, m.stats()
+        finally:
+            mem.close()
+    graphed, s = answers(4096)
+    assert s["prefill_graph_captures"] == 1 and s["prefill_graph_replays"] == 2
+    eager, _ = answers(0)
+    for (a, la), (b, lb) in zip(graphed, eager):
+        assert np.max(np.abs(la[0] - lb[0])) <= ATOL_FRAC * np.max(np.abs(lb[0]))
+        assert a[0] == b[0]

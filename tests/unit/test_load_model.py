@@ -503,6 +503,36 @@ def test_short_prompts_padded_and_replayed_as_a_graph_equal_the_eager_prefill(sm
         np.testing.assert_array_equal(la, lb)
 
 
+def test_long_prompts_padded_to_a_step_multiple_replay_as_a_graph_equal_to_eager(small, monkeypatch):
+    """Above PREFILL_GRAPH_STEP tokens a prompt pads to the next multiple of it (600 and 530 -> 768 here, a
+    walk longer than the MLP's sub-chunks): eager, captured, replayed; tokens and first logits those of the
+    unpadded eager prefill."""
+    from vmmstream.execution import engine as eng
+    mc = 1100
+    fits, _, _ = budgets(small, mc=mc)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 200, n).tolist() for n in (600, 530, 600, 200)]
+
+    def answers(graph_max):
+        monkeypatch.setattr(eng.Engine, "PREFILL_GRAPH_MAX", graph_max)
+        mem = memory(fits * 2)
+        try:
+            with vmmstream.load_model(small, memory=mem, max_context=mc) as m:
+                assert m.acts.tmax >= 768 and m.acts.sub < 600
+                assert m.engine._prefill_bucket(600) == (768 if graph_max else None)
+                out = [m.generate(p, 4, return_logits=True, eos_token_id=[]) for p in prompts]
+                return [(ids, lg[0]) for ids, lg in out], m.stats()
+        finally:
+            mem.close()
+    graphed, s = answers(4096)
+    assert s["prefill_graph_captures"] == 1 and s["prefill_graph_replays"] == 2     # 768: eager, then replays
+    eager, s2 = answers(0)
+    assert s2["prefill_graph_captures"] == 0
+    for (a, la), (b, lb) in zip(graphed, eager):
+        assert a == b
+        np.testing.assert_array_equal(la, lb)
+
+
 def test_kv_views_are_made_once_and_are_the_layout_s_slices(tiny):
     """Each layer's K/V views (made once at load from their addresses) are exactly the slices of the
     position-major cache [S, layers, 2, Hkv, D] that the kernels read; a call hands out the same objects."""

@@ -231,12 +231,16 @@ class Engine:
                 self._tev = (self.driver.event_create(True), self.driver.event_create(True))
         return self._tev
 
-    # A short prompt is padded to a power of two (at least PREFILL_BUCKET_MIN tokens, at most PREFILL_GRAPH_MAX)
-    # and, from the second prompt of that padded length on, runs as one captured graph: a few hundred kernel
-    # launches from Python cost more than the work of a short prefill (checked on CUDA by
-    # tests/gpu/test_load_model_gpu.py). PREFILL_GRAPH_MAX = 0 prefills every prompt eagerly, unpadded.
+    # A prompt of up to PREFILL_GRAPH_MAX tokens (and within one walk) is padded — to a power of two of at least
+    # PREFILL_BUCKET_MIN tokens up to PREFILL_GRAPH_STEP, above it to a multiple of PREFILL_GRAPH_STEP (fewer than
+    # STEP padding rows, a few per cent of a long prompt's work) — and, from the second prompt of that padded
+    # length on, runs as one captured graph: the walk's launches from Python (a dozen kernels a layer, each some
+    # tens of microseconds of Python) cost about as much as the work itself up to a thousand tokens or so
+    # (checked on CUDA by tests/gpu/test_load_model_gpu.py). PREFILL_GRAPH_MAX = 0 prefills every prompt eagerly,
+    # unpadded.
     PREFILL_BUCKET_MIN = 16
-    PREFILL_GRAPH_MAX = 256
+    PREFILL_GRAPH_STEP = 256
+    PREFILL_GRAPH_MAX = 4096
 
     def prefill_extent(self, n: int) -> int:
         """Positions a prefill of ``n`` tokens writes in the KV cache (padding included)."""
@@ -252,7 +256,8 @@ class Engine:
         c, plan = self.config, self.plan
         if c.is_moe or plan.workspace["step"] or n > self.PREFILL_GRAPH_MAX:
             return None
-        b = max(self.PREFILL_BUCKET_MIN, 1 << max(0, n - 1).bit_length())
+        step = self.PREFILL_GRAPH_STEP
+        b = max(self.PREFILL_BUCKET_MIN, 1 << max(0, n - 1).bit_length()) if n <= step else -(-n // step) * step
         return b if b <= min(self.acts.tmax, plan.max_context, self.PREFILL_GRAPH_MAX) else None
 
     def _prefill_padded(self, ids, b: int, sampling) -> None:
