@@ -51,7 +51,7 @@ def each_call(driver, make_injector, run, on_fault):
     ``on_fault(exc)`` checks the state after each failure (``exc`` None where the operation absorbed it and went
     on). Returns (calls failed with an exception, the result of the first run no fault reached)."""
     handler = signal.getsignal(signal.SIGINT)
-    if handler is not signal.default_int_handler:     # left by something before (this process runs many tests)
+    if handler is not signal.default_int_handler:     # e.g. ignored: a suite started as a background job (`... &`)
         warnings.warn(f"SIGINT handler {handler!r} found in place of Python's default; restored for the "
                       "fault loop", stacklevel=2)
         signal.signal(signal.SIGINT, signal.default_int_handler)
