@@ -9,6 +9,16 @@ import warnings
 from vmmstream.errors import DriverError
 
 
+def default_sigint() -> None:
+    """Python's own SIGINT handler in place, so an injected Ctrl-C raises ``KeyboardInterrupt`` — whatever the
+    process started with (a suite started as a background job, ``... &``, inherits SIGINT ignored)."""
+    handler = signal.getsignal(signal.SIGINT)
+    if handler is not signal.default_int_handler:
+        warnings.warn(f"SIGINT handler {handler!r} found in place of Python's default; restored for the "
+                      "injected Ctrl-C", stacklevel=3)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 class Interrupt:
     """SIGINT at the ``n``-th driver call, just before it runs (``after=True``: just after it returned, which is
     where a Ctrl-C usually lands while the driver works without the GIL). Python turns it into
@@ -24,6 +34,7 @@ class Interrupt:
             signal.raise_signal(signal.SIGINT)
 
     def install(self, driver) -> None:
+        default_sigint()
         if self.after:
             driver.after_call = self
         else:
@@ -50,11 +61,7 @@ def each_call(driver, make_injector, run, on_fault):
     """Run ``run()`` with its n-th driver call failing (``make_injector(n)``), for n = 1, 2, ... until it completes;
     ``on_fault(exc)`` checks the state after each failure (``exc`` None where the operation absorbed it and went
     on). Returns (calls failed with an exception, the result of the first run no fault reached)."""
-    handler = signal.getsignal(signal.SIGINT)
-    if handler is not signal.default_int_handler:     # e.g. ignored: a suite started as a background job (`... &`)
-        warnings.warn(f"SIGINT handler {handler!r} found in place of Python's default; restored for the "
-                      "fault loop", stacklevel=2)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    default_sigint()
     failed = 0
     for n in range(1, 100_000):
         inj = make_injector(n)
