@@ -186,13 +186,9 @@ class BatchDecoder:
         last = e._host("tokens", np.int32, k)
         last[:] = ends - 1
         d.memcpy_htod_async(e.acts.addr("inp"), last.ctypes.data, 4 * k, e.S)
-        sampled = [(j, q) for j, q in enumerate(group) if q.sampling is not None]
-        if sampled:
-            from vmmstream.kernels.ops.sampling import make_rng_state
-            rng = e._host("rngrows", np.uint64, 4 * k)
-            for j, q in sampled:
-                rng[4 * j:4 * j + 4] = make_rng_state(q.seed, 0)
-            d.memcpy_htod_async(e.acts.addr("rng_rows"), rng.ctypes.data, 32 * k, e.S)
+        sampled = any(q.sampling is not None for q in group)
+        if sampled:                  # row j: prompt j's first draw, at offset 0 of its Philox stream (as alone)
+            self._upload_draws(k, [(j, q, 0) for j, q in enumerate(group)])
         st, a = e.step, e.acts.views(k)
 
         def enqueue(ws):
@@ -200,10 +196,8 @@ class BatchDecoder:
             st.body(t, decode=False, start_pos=0, last=a.inp, kv=kv.view(kv.slots), packed=packed, ws_step=ws)
             st.streamer.end()
             st.ops.argmax(st.S, a.logits, a.next, st.ws_session)
-            for j, q in sampled:
-                temperature, top_k, top_p = q.sampling
-                st.ops.sample(st.S, e.acts.rows("logits", j, 1), e.acts.row("next", j), e.acts.row("rng_rows", j),
-                              temperature, top_k, top_p)
+            if sampled:
+                st.ops.sample_rows(st.S, a.logits, a.next, a.rng_rows, a.samp, a.samp_k)
         with e.step_workspace() as ws:
             e._eager(lambda: enqueue(ws))
         e.counters["prefill_tokens"] += t
@@ -231,8 +225,9 @@ class BatchDecoder:
         for i, name in enumerate(("inp", "positions", "lens", "rows")):
             d.memcpy_htod_async(e.acts.addr(name), h.ctypes.data + 4 * n * i, 4 * n, e.S)
         sampled = any(q.sampling is not None for q in live)
-        if sampled:                 # each sampled row drawn with its own parameters and Philox stream
-            self._upload_draws(n, live)
+        if sampled:                 # each sampled row drawn with its own parameters and Philox stream, at the
+            # offset of its next token (its k-th new token is at k - 1: the prefill drew the first)
+            self._upload_draws(n, [(q.slot, q, len(q.tokens)) for q in live])
         self._run_step(n, sampled)
         nxt, logits = self._read_next(n, live)
         self.steps += 1
@@ -246,18 +241,19 @@ class BatchDecoder:
                 self.finish(q)
         return out
 
-    def _upload_draws(self, n: int, live) -> None:
-        """The sampling rows of the first ``n`` slots: each sampled sequence's (1 / temperature, top_p), top_k and
-        Philox state at its next token's offset; every other row greedy (0: its argmax stands)."""
+    def _upload_draws(self, n: int, rows) -> None:
+        """The sampling rows of the first ``n`` rows: for each ``(row, sequence, offset)`` of ``rows`` whose
+        sequence samples, its (1 / temperature, top_p), top_k and Philox state at ``offset``; every other row
+        greedy (0: its argmax stands)."""
         from vmmstream.kernels.ops.sampling import make_rng_state, row_params
         e, d = self.e, self.e.driver
         rng, prm, tk = e._host("rngrows", np.uint64, 4 * n), e._host("samp", np.float32, 2 * n), \
             e._host("sampk", np.int32, n)
         rng[:], prm[:], tk[:] = 0, 0, 0
-        for q in live:
-            if q.sampling is not None:  # the offset of its k-th new token is k - 1 (the prefill drew the first)
-                rng[4 * q.slot:4 * q.slot + 4] = make_rng_state(q.seed, len(q.tokens))
-                prm[2 * q.slot], prm[2 * q.slot + 1], tk[q.slot] = row_params(*q.sampling)
+        for r, q, offset in rows:
+            if q.sampling is not None:
+                rng[4 * r:4 * r + 4] = make_rng_state(q.seed, offset)
+                prm[2 * r], prm[2 * r + 1], tk[r] = row_params(*q.sampling)
         for name, h, size in (("rng_rows", rng, 32), ("samp", prm, 8), ("samp_k", tk, 4)):
             d.memcpy_htod_async(e.acts.addr(name), h.ctypes.data, size * n, e.S)
 
