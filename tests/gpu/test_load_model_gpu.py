@@ -416,7 +416,7 @@ def test_a_second_process_loads_every_kernel_from_the_disk_cache(small, tmp_path
 
 
 def test_long_prompts_replayed_as_padded_graphs_on_cuda(driver, tmp_path, monkeypatch):
-    """Prompts above PREFILL_GRAPH_STEP tokens pad to a multiple of it and replay as captured graphs (the walk
+    """Prompts above PREFILL_GRAPH_STEP tokens pad (under 1/8 more rows) and replay as captured graphs (the walk
     longer than the MLP's sub-chunks, cuBLASLt or our GEMMs inside the capture): first logits as the unpadded
     eager prefill's, within the oracle's bound, and the same greedy tokens."""
     from vmmstream.execution import engine as eng
@@ -425,14 +425,14 @@ def test_long_prompts_replayed_as_padded_graphs_on_cuda(driver, tmp_path, monkey
     mc = 1100
     fits, _ = _budgets(path, driver.granularity(), mc=mc)[:2]
     rng = np.random.default_rng(3)
-    prompts = [rng.integers(3, 200, n).tolist() for n in (600, 530, 600)]
+    prompts = [rng.integers(3, 200, n).tolist() for n in (600, 610, 600)]     # all padded to 640
 
     def answers(graph_max):
         monkeypatch.setattr(eng.Engine, "PREFILL_GRAPH_MAX", graph_max)
         mem = memory(driver, fits * 4)
         try:
             with vmmstream.load_model(path, memory=mem, max_context=mc) as m:
-                assert m.acts.tmax >= 768 and m.acts.sub < 600         # one walk, the MLP in sub-chunks
+                assert m.acts.tmax >= 640 and m.acts.sub < 600         # one walk, the MLP in sub-chunks
                 out = [m.generate(p, 4, return_logits=True, eos_token_id=[]) for p in prompts]
                 return out, m.stats()
         finally:
@@ -442,4 +442,4 @@ def test_long_prompts_replayed_as_padded_graphs_on_cuda(driver, tmp_path, monkey
     eager, _ = answers(0)
     for (a, la), (b, lb) in zip(graphed, eager):
         assert np.max(np.abs(la[0] - lb[0])) <= ATOL_FRAC * np.max(np.abs(lb[0]))
-        assert a[0] == b[0]
+        assert a == b

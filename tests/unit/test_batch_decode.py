@@ -344,8 +344,14 @@ def test_steps_run_at_power_of_two_buckets_and_warm_takes_them_all_before_any_re
         while dec.active():
             sizes.append(dec.bucket(1 + max(q.slot for q in dec.active())))
             dec.step()
-        dec.close()
         mixed = [q.tokens for q in seqs]
+        # the same three joining together: one packed prefill, its first draws in one launch, greedy row kept
+        packed = dec.add_many([(PROMPTS[0], 9, {}), (PROMPTS[1], 3, dict(sampling=(1.1, 0, 0.9), seed=4)),
+                               (PROMPTS[2], 6, dict(sampling=(0.7, 5, 1.0), seed=9))])
+        while dec.active():
+            dec.step()
+        dec.close()
+        mixed_packed = [q.tokens for q in packed]
     finally:
         m.close()
         mem.close()
@@ -353,3 +359,4 @@ def test_steps_run_at_power_of_two_buckets_and_warm_takes_them_all_before_any_re
     assert together == alone
     assert drawn == drawn_alone
     assert mixed == mixed_alone and sizes[0] == 4 and sizes[-1] == 1
+    assert mixed_packed == mixed_alone

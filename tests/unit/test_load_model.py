@@ -503,29 +503,35 @@ def test_short_prompts_padded_and_replayed_as_a_graph_equal_the_eager_prefill(sm
         np.testing.assert_array_equal(la, lb)
 
 
-def test_long_prompts_padded_to_a_step_multiple_replay_as_a_graph_equal_to_eager(small, monkeypatch):
-    """Above PREFILL_GRAPH_STEP tokens a prompt pads to the next multiple of it (600 and 530 -> 768 here, a
-    walk longer than the MLP's sub-chunks): eager, captured, replayed; tokens and first logits those of the
-    unpadded eager prefill."""
+@pytest.mark.parametrize("streamed", [False, True])
+def test_long_prompts_padded_replay_as_a_graph_equal_to_eager(small, streamed, monkeypatch):
+    """Above PREFILL_GRAPH_STEP tokens a prompt pads to a multiple of a sixteenth of its power of two (600 and 610
+    -> 640 here, a walk longer than the MLP's sub-chunks): eager, captured, replayed, resident and streamed; tokens
+    and first logits those of the unpadded eager prefill. With one graph kept, another length's capture evicts the
+    first, which is captured again on its next use."""
     from vmmstream.execution import engine as eng
     mc = 1100
-    fits, _, _ = budgets(small, mc=mc)
+    fits, half, _ = budgets(small, mc=mc)
     rng = np.random.default_rng(3)
-    prompts = [rng.integers(3, 200, n).tolist() for n in (600, 530, 600, 200)]
+    prompts = [rng.integers(3, 200, n).tolist() for n in (600, 610, 600, 200, 1000, 1000, 600, 600)]
 
     def answers(graph_max):
         monkeypatch.setattr(eng.Engine, "PREFILL_GRAPH_MAX", graph_max)
-        mem = memory(fits * 2)
+        monkeypatch.setattr(eng.Engine, "PREFILL_GRAPHS_KEPT", 1)
+        mem = memory(half if streamed else fits * 2)
         try:
             with vmmstream.load_model(small, memory=mem, max_context=mc) as m:
-                assert m.acts.tmax >= 768 and m.acts.sub < 600
-                assert m.engine._prefill_bucket(600) == (768 if graph_max else None)
+                assert (m.plan.strategy == "streamed") == streamed
+                assert m.acts.tmax >= 1024 and m.acts.sub < 600
+                assert m.engine._prefill_bucket(600) == (640 if graph_max else None)
                 out = [m.generate(p, 4, return_logits=True, eos_token_id=[]) for p in prompts]
+                assert len(m.engine.prefill_graphs) <= 1
                 return [(ids, lg[0]) for ids, lg in out], m.stats()
         finally:
             mem.close()
     graphed, s = answers(4096)
-    assert s["prefill_graph_captures"] == 1 and s["prefill_graph_replays"] == 2     # 768: eager, then replays
+    # 640: eager, capture, replay; 1024: eager, capture (640's evicted); 640: capture again, replay
+    assert s["prefill_graph_captures"] == 3 and s["prefill_graph_replays"] == 5
     eager, s2 = answers(0)
     assert s2["prefill_graph_captures"] == 0
     for (a, la), (b, lb) in zip(graphed, eager):

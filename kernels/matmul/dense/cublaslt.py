@@ -25,7 +25,7 @@ CAPTURE_SAFE = True       # no allocation, no synchronize once a shape's plan ex
 WORKSPACE = 4 << 20       # split-K partials of the GEMMs a prefill runs; shared with the session workspace
 _CUDA_R_16BF, _CUDA_R_32F, _COMPUTE_32F = 14, 0, 68
 _OP_T = 1
-_PLANS_MAX = 256
+_PLANS_MAX = 1024       # host descriptors: a plan made eagerly stays for the capture that follows
 
 _lock = threading.Lock()
 _state: dict = {}         # "lib": the bindings module or None, "handle", "plans": {key: _Plan}, "error": why not

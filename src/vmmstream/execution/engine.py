@@ -232,15 +232,16 @@ class Engine:
         return self._tev
 
     # A prompt of up to PREFILL_GRAPH_MAX tokens (and within one walk) is padded — to a power of two of at least
-    # PREFILL_BUCKET_MIN tokens up to PREFILL_GRAPH_STEP, above it to a multiple of PREFILL_GRAPH_STEP (fewer than
-    # STEP padding rows, a few per cent of a long prompt's work) — and, from the second prompt of that padded
-    # length on, runs as one captured graph: the walk's launches from Python (a dozen kernels a layer, each some
-    # tens of microseconds of Python) cost about as much as the work itself up to a thousand tokens or so
-    # (checked on CUDA by tests/gpu/test_load_model_gpu.py). PREFILL_GRAPH_MAX = 0 prefills every prompt eagerly,
-    # unpadded.
+    # PREFILL_BUCKET_MIN tokens up to PREFILL_GRAPH_STEP, above it to a multiple of a sixteenth of the power of two
+    # at or above it (under 1/8 of padding rows: 257 -> 288, 1,000 -> 1,024, 3,000 -> 3,072) — and, from the
+    # second prompt of that padded length on, runs as one captured graph: the walk's launches from Python (a dozen
+    # kernels a layer, each some tens of microseconds of Python) cost about as much as the work itself up to a
+    # thousand tokens or so (checked on CUDA by tests/gpu/test_load_model_gpu.py). The PREFILL_GRAPHS_KEPT most
+    # recently used graphs are kept. PREFILL_GRAPH_MAX = 0 prefills every prompt eagerly, unpadded.
     PREFILL_BUCKET_MIN = 16
     PREFILL_GRAPH_STEP = 256
     PREFILL_GRAPH_MAX = 4096
+    PREFILL_GRAPHS_KEPT = 8
 
     def prefill_extent(self, n: int) -> int:
         """Positions a prefill of ``n`` tokens writes in the KV cache (padding included)."""
@@ -256,8 +257,9 @@ class Engine:
         c, plan = self.config, self.plan
         if c.is_moe or plan.workspace["step"] or n > self.PREFILL_GRAPH_MAX:
             return None
-        step = self.PREFILL_GRAPH_STEP
-        b = max(self.PREFILL_BUCKET_MIN, 1 << max(0, n - 1).bit_length()) if n <= step else -(-n // step) * step
+        b = max(self.PREFILL_BUCKET_MIN, 1 << max(0, n - 1).bit_length())
+        if n > self.PREFILL_GRAPH_STEP:
+            b = -(-n // (b // 16)) * (b // 16)
         return b if b <= min(self.acts.tmax, plan.max_context, self.PREFILL_GRAPH_MAX) else None
 
     def _prefill_padded(self, ids, b: int, sampling) -> None:
@@ -286,9 +288,14 @@ class Engine:
                 self._prefill_seen.discard(b)
                 self.streamer.issued = before
             else:
+                while len(self.prefill_graphs) >= self.PREFILL_GRAPHS_KEPT:   # the least recently used goes (its
+                    old = next(iter(self.prefill_graphs))                      # replays were synchronized)
+                    self.prefill_graphs.pop(old).close()
                 self._prefill_copies[b] = self.streamer.issued - before
                 self.prefill_graphs[b] = g
                 self.counters["prefill_graph_captures"] += 1
+        elif g is not None:
+            self.prefill_graphs[b] = self.prefill_graphs.pop(b)           # most recently used last
         if g is None:
             def enqueue():
                 body(True)
