@@ -260,7 +260,11 @@ class HostOps:
         self._run(s, lambda: self._copy(out_ids, ref(logits)))
 
     def sample(self, s, logits, out_ids, rng, temperature, top_k, top_p):
-        ref = self.k["sampling"].reference_sample
+        smp = self.k["sampling"]
+        if temperature > 0:          # the parameters as the kernel holds them (fp32 1 / T and top_p), as a batch row's
+            inv, p32, _ = smp.row_params(temperature, top_k, top_p)
+            temperature, top_p = float(1.0 / np.float64(inv)), float(p32)
+        ref = smp.reference_sample
 
         def run():
             out_ids[...] = ref(logits, rng.copy(), temperature, top_k, top_p)
