@@ -207,23 +207,15 @@ class BatchDecoder:
             q._take(int(nxt[j]), None if logits is None or q.logits is None else logits[j].copy())
 
     def step(self) -> list[tuple[Sequence, int]]:
-        """One greedy decode step of every active sequence; returns (sequence, new token) pairs. Sequences that
+        """One decode step of every active sequence; returns (sequence, new token) pairs. Sequences that
         are done (stop id, ``max_new_tokens``) leave: their pages are unmapped, their slots freed."""
         live = self.active()
         if not live:
             return []
-        e, kv, d = self.e, self.kv, self.e.driver
+        e = self.e
         n = self.bucket(1 + max(q.slot for q in live))
         self.peak = max(self.peak, len(live))
-        state = np.zeros((4, n), np.int32)                  # inp, positions, lens, rows
-        state[3] = -1                                       # a free slot's K / V go nowhere
-        for q in live:
-            p = q.n + len(q.tokens) - 1                     # the position of the token this step reads
-            state[:, q.slot] = (q.tokens[-1], p, p + 1, kv.row(q.slot, p))
-        h = e._host("state", np.int32, 4 * n)
-        h[:] = state.reshape(-1)
-        for i, name in enumerate(("inp", "positions", "lens", "rows")):
-            d.memcpy_htod_async(e.acts.addr(name), h.ctypes.data + 4 * n * i, 4 * n, e.S)
+        self._upload_state(n, live)
         sampled = any(q.sampling is not None for q in live)
         if sampled:                 # each sampled row drawn with its own parameters and Philox stream, at the
             # offset of its next token (its k-th new token is at k - 1: the prefill drew the first)
@@ -240,6 +232,20 @@ class BatchDecoder:
             if q.done:
                 self.finish(q)
         return out
+
+    def _upload_state(self, n: int, live) -> None:
+        """The decode state of the first ``n`` slots (inp, positions, lens, KV rows): each live sequence's last
+        token at its position; every other slot free (length 0, its K / V go nowhere)."""
+        e, kv, d = self.e, self.kv, self.e.driver
+        h = e._host("state", np.int32, 4 * n)
+        state = h.reshape(4, n)
+        state[:] = 0
+        state[3] = -1
+        for q in live:
+            p = q.n + len(q.tokens) - 1                     # the position of the token this step reads
+            state[:, q.slot] = (q.tokens[-1], p, p + 1, kv.row(q.slot, p))
+        for i, name in enumerate(("inp", "positions", "lens", "rows")):
+            d.memcpy_htod_async(e.acts.addr(name), h.ctypes.data + 4 * n * i, 4 * n, e.S)
 
     def _upload_draws(self, n: int, rows) -> None:
         """The sampling rows of the first ``n`` rows: for each ``(row, sequence, offset)`` of ``rows`` whose
@@ -299,11 +305,7 @@ class BatchDecoder:
                 for q in [q for q in self.slots if q is not None]:
                     self.finish(q)
             for n in self.buckets():
-                h = e._host("state", np.int32, 4 * n)
-                h[:] = 0
-                h[3 * n:] = -1                              # rows: every slot free, its K / V go nowhere
-                for i, name in enumerate(("inp", "positions", "lens", "rows")):
-                    d.memcpy_htod_async(e.acts.addr(name), h.ctypes.data + 4 * n * i, 4 * n, e.S)
+                self._upload_state(n, [])                   # every slot free
                 self._upload_draws(n, [])                   # no row draws: the sampled step's kernels still run
                 for sampled in (False, True):
                     for _ in range(2):
