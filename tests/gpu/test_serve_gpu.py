@@ -39,13 +39,16 @@ def test_batched_server_under_load_keeps_the_budget_by_the_device_count(tmp_path
             free0, _ = driver.mem_get_info()
             committed0 = mem.snapshot()["committed"]
             live = Live(m, engine=BatchSequenceEngine(m), max_queue=64, queue_timeout=60.0)
-            samples, done = [], threading.Event()
+            samples, failures, done = [], [], threading.Event()
 
-            def sample():
-                while not done.is_set():
-                    free, _ = driver.mem_get_info()
-                    samples.append((free0 - free, mem.snapshot()["committed"]))
-                    time.sleep(0.002)
+            def sample():       # a thread of its own, as a metrics scraper would be: no context made current for it
+                try:
+                    while not done.is_set():
+                        free, _ = driver.mem_get_info()
+                        samples.append((free0 - free, mem.snapshot()["committed"]))
+                        time.sleep(0.002)
+                except Exception as e:      # noqa: BLE001  (reported by the test below, not lost in the thread)
+                    failures.append(e)
             try:
                 watcher = threading.Thread(target=sample, daemon=True)
                 watcher.start()
@@ -54,6 +57,7 @@ def test_batched_server_under_load_keeps_the_budget_by_the_device_count(tmp_path
             finally:
                 done.set()
                 live.stop()
+            assert not failures, failures
             assert not errors and got == want
             assert live.engine.inner._dec.peak == 4
             snap = mem.snapshot()
