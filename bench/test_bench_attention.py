@@ -140,16 +140,20 @@ def prefill_inputs(S, hq, hkv, d, route):
 
 
 @pytest.mark.parametrize("S,route", [(2048, ap.FUSED_MMA_ASYNC), (8192, ap.FUSED_MMA_ASYNC),
+                                     (2048, ap.CUDNN), (8192, ap.CUDNN), (1024, ap.CUDNN), (4096, ap.CUDNN),
+                                     (1024, ap.FUSED_MMA_ASYNC), (4096, ap.FUSED_MMA_ASYNC),
                                      (2048, ap.FUSED_MMA), (8192, ap.FUSED_MMA), (2048, ap.FUSED),
                                      (8192, ap.FUSED), (2048, ap.MATERIALIZED)])
 def test_bench_prefill(benchmark, S, route):
+    """``cudnn``: cuDNN's SDPA (``vmmstream[cudnn]``) on our layout, its workspace passed as the session's."""
     q, k, v, out, req, ws = prefill_inputs(S, HQ, HKV, D, route)
-    args = [nb(q), nb(k), nb(v), nb(out), None if ws is None else nb(ws)]
+    args = [nb(q), nb(k), nb(v), nb(out), None if ws is None or route == ap.CUDNN else nb(ws)]
+    kw = {"session_workspace": nb(ws)} if route == ap.CUDNN else {}
 
     def ours():
-        ap.launch(*args, route=route, stream=as_stream(torch.cuda.current_stream()))
+        ap.launch(*args, route=route, stream=as_stream(torch.cuda.current_stream()), **kw)
 
-    reps = 3 if route in (ap.FUSED_MMA, ap.FUSED_MMA_ASYNC) else 1
+    reps = 3 if route in (ap.FUSED_MMA, ap.FUSED_MMA_ASYNC, ap.CUDNN) else 1
     ms, how = measure(benchmark, ours, reps=reps, rounds=3)
     qt, kt, vt = (x.permute(1, 0, 2).unsqueeze(0).contiguous() for x in (q, k, v))
     sdpa = sdpa_ms(qt, kt, vt, True, reps=3)
@@ -161,6 +165,7 @@ def test_bench_prefill(benchmark, S, route):
         "workspace_bytes": req.bytes, "sdpa_ms": sdpa, "sdpa_tflops": sdpa_tflops,
         "ratio_to_sdpa": tflops / sdpa_tflops, "timing": how,
     })
+    print(f"\nprefill {route} S={S}: {tflops:.0f} TFLOP/s, SDPA {sdpa_tflops:.0f}, ratio {tflops / sdpa_tflops:.2f}")
 
 
 ASYNC_SHAPES = {"base": (64, 4, False, None), "qs32": (32, 4, True, None), "qs32cap": (32, 4, True, 168),

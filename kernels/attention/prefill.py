@@ -13,6 +13,11 @@ Routes (``choose_route`` picks one, ``route=`` overrides):
   mma work, ``ldmatrix`` fragments, the mask only on diagonal tiles. D in {64, 96, 128}. No workspace.
 - ``"fused"``: the same algorithm on fp32 FMA, K/V tiles through shared memory. D in {64, 128}. No
   workspace. The fallback, and the route the simulator checks the algorithm with.
+- ``"cudnn"``: cuDNN's fused SDPA (``cudnn_sdpa.py``: the ``nvidia-cudnn-frontend`` package, optional), taken by
+  ``choose_route`` for long prompts where it loads, ``VMMSTREAM_CUDNN`` is not 0 and a session workspace is given
+  (``session_workspace=``; ``session_requirement`` sizes it). On an H100 it runs at 0.94 / 1.00 of torch SDPA's
+  TFLOP/s at S = 2,048 / 8,192 where ``fused_mma_async`` runs at 0.42 / 0.36 (run 12-07 k). A shape it cannot
+  plan, or one first met inside a capture, runs the route below it.
 - ``"materialized"``: any D. Writes fp32 scores ``[Hq, T, Sk]`` (Sk = start_pos + T) into a declared
   step-lifetime workspace, then a row-softmax-times-V kernel. For shapes the fused routes do not take.
 """
@@ -20,6 +25,7 @@ Routes (``choose_route`` picks one, ``route=`` overrides):
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 from numba import cuda, float32, float64, int64, uint32
@@ -29,7 +35,8 @@ from vmmstream.kernels.base.dtypes import bf16_to_f32, dev_bf16_to_f32, dev_f32_
 from vmmstream.kernels.base.workspace import NONE, Lifetime, WorkspaceRequirement, check_view, layout
 
 FUSED, FUSED_MMA, FUSED_MMA_ASYNC, MATERIALIZED = "fused", "fused_mma", "fused_mma_async", "materialized"
-ROUTES = (FUSED_MMA_ASYNC, FUSED_MMA, FUSED, MATERIALIZED)
+CUDNN = "cudnn"
+ROUTES = (CUDNN, FUSED_MMA_ASYNC, FUSED_MMA, FUSED, MATERIALIZED)
 FUSED_HEAD_DIMS = (64, 128)                 # the fp32-FMA fused route
 MMA_HEAD_DIMS = tuple(range(16, 129, 16))   # the tensor-core fused route: Q and O fragments in registers up to 128
 ASYNC_HEAD_DIMS = (64, 96, 128)     # fused_mma_async: multiples of 32 (one ldmatrix.x4 of K covers two k16 steps)
@@ -58,8 +65,53 @@ def reference(q, k, v, *, start_pos=0, scale=None):
     return (p @ vf.transpose(1, 0, 2)).transpose(1, 0, 2).astype(np.float32)
 
 
-def choose_route(T, Hq, Hkv, D, *, start_pos=0):
-    """Fused tensor-core route where it applies, else the materialized fallback."""
+# cuDNN from this much work up (query-key pairs of one head: a 2,048-token prompt's), on prompts of 256 or more
+# queries: measured ahead of ours at 2,048 and 8,192 tokens; at 16 tokens it took 44 us where SDPA took 19.
+CUDNN_MIN_PAIRS = 2048 * 2049 // 2
+CUDNN_MIN_QUERIES = 256
+
+
+def _prefer_cudnn() -> bool:
+    v = os.environ.get("VMMSTREAM_CUDNN", "").strip().lower()
+    if v in ("", "1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"VMMSTREAM_CUDNN={v!r}: expected 1/true/yes/on or 0/false/no/off")
+
+
+PREFER_CUDNN = _prefer_cudnn()
+
+
+def cudnn_usable() -> bool:
+    """Whether ``choose_route`` may take the cuDNN route (given a session workspace and a long enough prompt)."""
+    if la.SIM or not PREFER_CUDNN:
+        return False
+    from vmmstream.kernels.attention import cudnn_sdpa
+    return cudnn_sdpa.available()
+
+
+def cudnn_takes(T, Hq, Hkv, D, start_pos=0) -> bool:
+    """The shapes the cuDNN route is chosen for (where it is usable): enough work, D a multiple of 8 up to 256."""
+    pairs = T * start_pos + T * (T + 1) // 2
+    return T >= CUDNN_MIN_QUERIES and pairs >= CUDNN_MIN_PAIRS and D % 8 == 0 and D <= 256 and Hq % Hkv == 0
+
+
+def session_requirement():
+    """The session workspace the cuDNN route draws (``NONE`` where it is not usable)."""
+    if not cudnn_usable():
+        return NONE
+    from vmmstream.kernels.attention import cudnn_sdpa
+    return cudnn_sdpa.workspace_requirement()
+
+
+def choose_route(T, Hq, Hkv, D, *, start_pos=0, session_workspace_bytes=0):
+    """cuDNN for long prompts where it is usable and its session workspace is given (``session_workspace_bytes``),
+    else the fused tensor-core route where it applies, else the materialized fallback."""
+    if session_workspace_bytes and cudnn_takes(T, Hq, Hkv, D, start_pos) and cudnn_usable():
+        from vmmstream.kernels.attention import cudnn_sdpa
+        if session_workspace_bytes >= cudnn_sdpa.WORKSPACE:
+            return CUDNN
     if ASYNC_DEFAULT and D in ASYNC_HEAD_DIMS and Hq % Hkv == 0:
         return FUSED_MMA_ASYNC
     if D in MMA_HEAD_DIMS and Hq % Hkv == 0:
@@ -68,7 +120,7 @@ def choose_route(T, Hq, Hkv, D, *, start_pos=0):
 
 
 def _layout(T, Hq, D, start_pos, route):
-    if route in (FUSED, FUSED_MMA, FUSED_MMA_ASYNC):
+    if route in (CUDNN, FUSED, FUSED_MMA, FUSED_MMA_ASYNC):
         return layout()
     if route != MATERIALIZED:
         raise ValueError(f"unknown prefill route {route!r}; expected one of {ROUTES}")
@@ -76,7 +128,12 @@ def _layout(T, Hq, D, start_pos, route):
 
 
 def workspace_requirement(T, Hq, Hkv, D, *, start_pos=0, route=None):
-    """What a launch at these shapes needs: ``NONE`` for the fused routes, step-lifetime scores otherwise."""
+    """What a launch at these shapes needs: ``NONE`` for the fused routes, step-lifetime scores for the materialized
+    one, the cuDNN route's session buffer for ``route="cudnn"`` (``route=None`` describes the route taken without a
+    session workspace; ``session_requirement`` gives the cuDNN route's)."""
+    if route == CUDNN:
+        from vmmstream.kernels.attention import cudnn_sdpa
+        return cudnn_sdpa.workspace_requirement()
     route = route or choose_route(T, Hq, Hkv, D, start_pos=start_pos)
     total = _layout(T, Hq, D, start_pos, route).total
     return NONE if total == 0 else WorkspaceRequirement(total, Lifetime.STEP)
@@ -639,22 +696,37 @@ def _kernel(route, D):
     return _KERNELS[key]
 
 
-def launch(q, k, v, out, workspace, *, start_pos=0, scale=None, route=None, stream):
+def launch(q, k, v, out, workspace, *, start_pos=0, scale=None, route=None, stream, session_workspace=None):
     """out[T, Hq, D] = causal GQA attention of q[T, Hq, D] over k/v[:start_pos + T] (all bf16 uint16
     device arrays). ``workspace``: 1-D uint8 device view sized by ``workspace_requirement`` (None for the
-    fused routes). Never allocates; a short view raises ``WorkspaceShortfall``."""
+    fused routes). ``session_workspace``: a session-lifetime uint8 view (the same address in every capture) that
+    lets ``choose_route`` take cuDNN; with ``route="cudnn"`` it is that route's workspace. Never allocates; a
+    short view raises ``WorkspaceShortfall``."""
     T, Hq, D = q.shape
     S, Hkv = k.shape[0], k.shape[1]
     n_keys = start_pos + T
     if Hq % Hkv or k.shape[2] != D or v.shape != k.shape or out.shape != q.shape or S < n_keys:
         raise ValueError(f"prefill shapes q{q.shape} k{k.shape} v{v.shape} out{out.shape} start_pos={start_pos}")
-    route = route or choose_route(T, Hq, Hkv, D, start_pos=start_pos)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    asked = route
+    sw = 0 if session_workspace is None else session_workspace.shape[0] * session_workspace.dtype.itemsize
+    route = route or choose_route(T, Hq, Hkv, D, start_pos=start_pos, session_workspace_bytes=sw)
+    if route == CUDNN:
+        from vmmstream.kernels.attention import cudnn_sdpa
+        if T == 0:
+            return
+        try:
+            cudnn_sdpa.launch(q, k, v, out, session_workspace, start_pos=start_pos, scale=scale, stream=stream)
+            return
+        except cudnn_sdpa.Unsupported:
+            if asked == CUDNN:
+                raise
+        route = choose_route(T, Hq, Hkv, D, start_pos=start_pos)      # this shape: our kernels
     dims = {FUSED: FUSED_HEAD_DIMS, FUSED_MMA: MMA_HEAD_DIMS, FUSED_MMA_ASYNC: ASYNC_HEAD_DIMS}.get(route, ())
     if route != MATERIALIZED and D not in dims:
         raise ValueError(f"route {route!r} takes head_dim in {dims}, got {D}; use {MATERIALIZED!r}")
     lay = _layout(T, Hq, D, start_pos, route)
     check_view(f"attention_prefill[{route}]", 0 if workspace is None else workspace.nbytes, lay.total)
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     group = Hq // Hkv
     stream = la.as_stream(stream)
     if T == 0:

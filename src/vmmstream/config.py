@@ -88,4 +88,9 @@ CUBLASLT = Variable(
     "dense bf16 prefill GEMMs through cuBLASLt where nvmath-python is installed (pip install 'vmmstream[cublas]'); "
     "0 = our tensor-core GEMM")
 
-ALL = (LEGACY_ALLOCATOR, BUDGET, BACKEND, KERNEL_CACHE, CACHE_DIR, CUBLASLT)
+CUDNN = Variable(
+    "VMMSTREAM_CUDNN", _parse_bool, True,
+    "prefill attention of long prompts (2,048 tokens and up) through cuDNN's fused SDPA where "
+    "nvidia-cudnn-frontend is installed (pip install 'vmmstream[cudnn]'); 0 = our tensor-core kernel")
+
+ALL = (LEGACY_ALLOCATOR, BUDGET, BACKEND, KERNEL_CACHE, CACHE_DIR, CUBLASLT, CUDNN)

@@ -197,6 +197,13 @@ class Placement:
         """Allocate and fill: weights (uploaded on ``copy_stream``), KV cache, activations for ``tmax`` tokens,
         the session workspace. The plan's leases must have been granted (``admit``)."""
         mem, c = self.memory, checkpoint.config
+        if ops.backend == "cuda" and plan.max_context >= 2048:     # long prompts' attention may take cuDNN:
+            from vmmstream.kernels.attention import prefill       # start it while the weights upload
+            if prefill.cudnn_takes(plan.max_context, c.num_attention_heads, c.num_key_value_heads, c.head_dim) \
+                    and prefill.PREFER_CUDNN and not prefill.la.SIM:
+                from vmmstream.kernels.attention import cudnn_sdpa
+                cudnn_sdpa.prewarm(c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                   getattr(ops.driver, "make_current", None))
         self.weights = Weights(mem, ops, plan, checkpoint, self.holder, copy_stream, progress=progress)
         if plan.batch > 1:          # one VA range per sequence; the one-sequence path runs in the first
             self.batch_kv = BatchKV(mem, ops, c, plan.max_context, plan.batch, self.holder)
@@ -268,7 +275,8 @@ def workspace_peaks(config, max_context: int, tmax: int, backend: str = "host", 
                   sampling.workspace_requirement(1, c.vocab_size, "sample").bytes)
     if backend == "cuda":               # the dense prefill GEMMs' cuBLASLt route, where it loads
         from vmmstream.kernels.matmul.dense import gemm
-        session = max(session, gemm.workspace_requirement(tmax, c.hidden_size, c.hidden_size).bytes)
+        session = max(session, gemm.workspace_requirement(tmax, c.hidden_size, c.hidden_size).bytes,
+                      attention_prefill.session_requirement().bytes)   # long prompts' cuDNN attention, where it loads
     at = tmax if c.is_moe else min(tmax, PREFILL_SUB)     # a dense walk's attention runs in parts of PREFILL_SUB
     step = attention_prefill.workspace_requirement(at, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                                                    start_pos=max_context - at).bytes

@@ -53,8 +53,12 @@ def prefill_case(stream, T, Hq, Hkv, Dh, start_pos, route, S=None, heads=None, s
     req = ap.workspace_requirement(T, Hq, Hkv, Dh, start_pos=start_pos, route=route)
     ws = cuda.device_array(req.bytes, np.uint8) if req.bytes else None
     out = cuda.to_device(np.full_like(q, 0x7FC0))      # NaN: every element must be written
-    ap.launch(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), out, ws,
-              start_pos=start_pos, route=route, stream=stream)
+    if route == ap.CUDNN:          # the route's workspace is the session's (passed as such)
+        ap.launch(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), out, None, start_pos=start_pos,
+                  route=route, stream=stream, session_workspace=ws)
+    else:
+        ap.launch(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), out, ws,
+                  start_pos=start_pos, route=route, stream=stream)
     got = out.copy_to_host(stream=stream)
     stream.synchronize()
     heads = list(range(Hq)) if heads is None else heads
@@ -64,6 +68,77 @@ def prefill_case(stream, T, Hq, Hkv, Dh, start_pos, route, S=None, heads=None, s
 
 
 # --------------------------------------------------------------------------------------- prefill
+
+def _need_cudnn():
+    """The cuDNN route is optional (``vmmstream[cudnn]``); a GPU run without it fails here, saying why, unless
+    ``VMMSTREAM_CUDNN=0`` says it is meant to be absent."""
+    from vmmstream.kernels.attention import cudnn_sdpa
+    if not ap.PREFER_CUDNN:
+        pytest.skip("VMMSTREAM_CUDNN=0: the cuDNN route is turned off")
+    assert cudnn_sdpa.available(), f"cuDNN route not loadable: {cudnn_sdpa.unavailable_reason()}"
+
+
+@pytest.mark.parametrize("T,Hq,Hkv,Dh,start_pos,S", [
+    (2048, HQ, HKV, D, 0, 2048),      # the bench shape
+    (512, HQ, HKV, D, 1536, 4096),    # a chunk at an offset into a longer cache (bottom-right diagonal)
+    (999, 16, 4, 64, 37, 1100),       # head dim 64, a ragged length, rows past the keys in the cache
+])
+def test_prefill_cudnn_route(stream, T, Hq, Hkv, Dh, start_pos, S):
+    """cuDNN's SDPA reading our [T, H, D] q and [S, Hkv, D] cache by strides gives the reference, like our
+    tensor-core routes (P in bf16: the same 1e-2 slack)."""
+    _need_cudnn()
+    assert ap.workspace_requirement(T, Hq, Hkv, Dh, route=ap.CUDNN).lifetime == Lifetime.SESSION
+    heads = [h for h in HEADS if h < Hq]
+    got, ref = prefill_case(stream, T, Hq, Hkv, Dh, start_pos, ap.CUDNN, S=S, heads=heads, seed=5)
+    assert_bf16_close(got, ref, 1e-2)
+
+
+def test_prefill_cudnn_chosen_for_long_prompts_and_captured():
+    """``choose_route`` takes cuDNN for a 2,048-token prompt when a session workspace is given (our kernel
+    without one, or for a short prompt); the launch, captured in a CUDA graph after an eager one, replays the
+    reference for new q; a shape first met inside a capture runs our kernel instead (nothing built there)."""
+    import torch
+    from vmmstream.kernels.attention import cudnn_sdpa
+    from vmmstream.kernels.base.launch import as_stream
+    _need_cudnn()
+    T = 2048
+    ws = cuda.device_array(cudnn_sdpa.WORKSPACE, np.uint8)
+    assert ap.choose_route(T, HQ, HKV, D, session_workspace_bytes=ws.nbytes) == ap.CUDNN
+    assert ap.choose_route(T, HQ, HKV, D) == ap.FUSED_MMA_ASYNC
+    assert ap.choose_route(64, HQ, HKV, D, session_workspace_bytes=ws.nbytes) == ap.FUSED_MMA_ASYNC
+    rng = np.random.default_rng(6)
+    q, k, v = bf16(rng, (T, HQ, D)), bf16(rng, (T, HKV, D)), bf16(rng, (T, HKV, D))
+    dq, dk, dv = cuda.to_device(q), cuda.to_device(k), cuda.to_device(v)
+    out = cuda.device_array((T, HQ, D), np.uint16)
+    side = torch.cuda.Stream()
+    run = lambda: ap.launch(dq, dk, dv, out, None, stream=as_stream(side), session_workspace=ws)  # noqa: E731
+    with torch.cuda.stream(side):
+        run()                                       # eager: builds the graph
+    side.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        run()
+    q2 = bf16(rng, (T, HQ, D))
+    dq.copy_to_device(q2)
+    torch.cuda.synchronize()
+    graph.replay()
+    torch.cuda.synchronize()
+    kvh = [h // (HQ // HKV) for h in HEADS]
+    assert_bf16_close(out.copy_to_host()[:, HEADS], ap.reference(q2[:, HEADS], k[:, kvh], v[:, kvh]), 1e-2)
+    # a new shape (2,049 cache rows) met first inside a capture: our kernel is captured, and replays correctly
+    k3, v3 = bf16(rng, (T + 1, HKV, D)), bf16(rng, (T + 1, HKV, D))
+    dk3, dv3 = cuda.to_device(k3), cuda.to_device(v3)
+    with torch.cuda.stream(side):                   # our kernel compiled and loaded outside the capture
+        ap.launch(dq, dk3, dv3, out, None, route=ap.FUSED_MMA_ASYNC, stream=as_stream(side))
+    side.synchronize()
+    graph2 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph2, stream=side):
+        ap.launch(dq, dk3, dv3, out, None, stream=as_stream(side), session_workspace=ws)
+    graph2.replay()
+    torch.cuda.synchronize()
+    assert_bf16_close(out.copy_to_host()[:, HEADS], ap.reference(q2[:, HEADS], k3[:, kvh], v3[:, kvh]), 1e-2)
+    assert (T, T, T + 1, HQ, HKV, D, 1.0 / np.sqrt(D)) not in cudnn_sdpa._state["graphs"]
+
 
 @pytest.mark.parametrize("route,tol", [(ap.FUSED_MMA_ASYNC, 1e-2), (ap.FUSED_MMA, 1e-2), (ap.FUSED, 2e-3)])
 def test_prefill_fused_real_shape(stream, route, tol):

@@ -272,3 +272,39 @@ def test_decode_plan_fills_an_h200():
         assert smaller == 0 or B * 8 * -(-S_max // smaller) > ad.RESIDENT_BLOCKS
     assert ad.plan(1, 8, 32768, 8) == ad.plan(1, 8, 32768, 4)
     assert ad.flops(1, 32, 128, [100]) == 4 * 128 * 32 * 100
+
+
+@pytest.mark.parametrize("switch_interval", [5e-4], indirect=True)
+def test_prefill_cudnn_route_falls_back_to_ours_for_a_refused_shape(switch_interval, monkeypatch):
+    """Where cuDNN is chosen (a session workspace, a long enough prompt) but refuses the shape, ``launch`` runs
+    the route ``choose_route`` takes without it, with the same result; asked for by name, the refusal is raised.
+    Where cuDNN runs, nothing of ours is launched."""
+    from vmmstream.kernels.attention import cudnn_sdpa
+    T, Hq, Hkv, D, sp = 11, 2, 1, 64, 60
+    monkeypatch.setattr(ap, "cudnn_usable", lambda: True)
+    monkeypatch.setattr(ap, "CUDNN_MIN_QUERIES", 1)
+    monkeypatch.setattr(ap, "CUDNN_MIN_PAIRS", 1)
+    calls = []
+
+    def refuse(q, k, v, out, ws, *, start_pos, scale, stream):
+        calls.append((start_pos, scale))
+        raise cudnn_sdpa.Unsupported("no engine")
+    monkeypatch.setattr(cudnn_sdpa, "launch", refuse)
+    rng = np.random.default_rng(7)
+    q, k, v = bf16(rng, (T, Hq, D)), bf16(rng, (sp + T, Hkv, D)), bf16(rng, (sp + T, Hkv, D))
+    sess = cuda.to_device(np.zeros(cudnn_sdpa.WORKSPACE, np.uint8))
+    assert ap.choose_route(T, Hq, Hkv, D, start_pos=sp, session_workspace_bytes=sess.shape[0]) == ap.CUDNN
+    out = cuda.to_device(np.full_like(q, 0x7FC0))
+    stream = cuda.stream()
+    args = (cuda.to_device(q), cuda.to_device(k), cuda.to_device(v))
+    ap.launch(*args, out, None, start_pos=sp, stream=stream, session_workspace=sess)
+    stream.synchronize()
+    assert calls == [(sp, 1.0 / np.sqrt(D))]
+    assert_bf16_close(out.copy_to_host(), ap.reference(q, k, v, start_pos=sp), 1e-2)
+    with pytest.raises(cudnn_sdpa.Unsupported):
+        ap.launch(*args, out, None, start_pos=sp, route=ap.CUDNN, stream=stream, session_workspace=sess)
+    # where cuDNN runs, its output is the launch's (a marker, here): nothing of ours overwrites it
+    monkeypatch.setattr(cudnn_sdpa, "launch", lambda q, k, v, out, ws, **kw: out.copy_to_device(np.full_like(q, 7)))
+    ap.launch(*args, out, None, start_pos=sp, stream=stream, session_workspace=sess)
+    stream.synchronize()
+    assert (out.copy_to_host() == 7).all()

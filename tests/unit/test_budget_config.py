@@ -94,6 +94,22 @@ def test_cublaslt_is_the_default_and_only_known_words_switch_it(monkeypatch, raw
     assert CUBLASLT.get({} if raw is None else {"VMMSTREAM_CUBLASLT": raw}) is expected
 
 
+@pytest.mark.parametrize("raw,expected", [(None, True), ("", True), ("yes", True), ("0", False), ("OFF", False)])
+def test_cudnn_attention_is_the_default_and_only_known_words_switch_it(monkeypatch, raw, expected):
+    from vmmstream.config import CUDNN
+    from vmmstream.kernels.attention import prefill
+    if raw is None:
+        monkeypatch.delenv("VMMSTREAM_CUDNN", raising=False)
+    else:
+        monkeypatch.setenv("VMMSTREAM_CUDNN", raw)
+    assert prefill._prefer_cudnn() is expected
+    assert CUDNN.get({} if raw is None else {"VMMSTREAM_CUDNN": raw}) is expected
+    if raw is not None and raw.strip():
+        monkeypatch.setenv("VMMSTREAM_CUDNN", raw[:-1] + "x")      # a typo is an error, not a silent switch
+        with pytest.raises(ValueError, match="VMMSTREAM_CUDNN"):
+            prefill._prefer_cudnn()
+
+
 @pytest.mark.parametrize("raw", ["of", "disable"])
 def test_cublaslt_typo_is_an_error_not_a_silent_switch(monkeypatch, raw):
     from vmmstream.kernels.matmul.dense import gemm

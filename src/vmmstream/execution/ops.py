@@ -162,7 +162,7 @@ class HostOps:
                     cv[p] = v[t]
         self._run(s, run)
 
-    def attn_prefill(self, s, q, ck, cv, out, ws, start_pos):
+    def attn_prefill(self, s, q, ck, cv, out, ws, start_pos, session=None):
         ref = self.k["attention_prefill"].reference
         self._run(s, lambda: self._store(out, ref(q, ck, cv, start_pos=start_pos)))
 
@@ -494,9 +494,11 @@ class CudaOps:
             self.launches += 1
             self._kv_kernel[(n + 255) // 256, 256, as_stream(self._s(s))](k, v, ck, cv, positions, h, d, n)
 
-    def attn_prefill(self, s, q, ck, cv, out, ws, start_pos):
+    def attn_prefill(self, s, q, ck, cv, out, ws, start_pos, session=None):
+        """``session``: the session workspace, for the cuDNN route (long prompts) where it is planned."""
         self.launches += 1
-        self.k["attention_prefill"].launch(q, ck, cv, out, ws, start_pos=start_pos, stream=self._s(s))
+        self.k["attention_prefill"].launch(q, ck, cv, out, ws, start_pos=start_pos, stream=self._s(s),
+                                           session_workspace=session)
 
     def attn_decode(self, s, q, ck, cv, seq_len, out, ws):
         self.launches += 1

@@ -252,7 +252,8 @@ class Step:
             elif packed:
                 self._attn_packed(layer, packed, ws_step)
             elif ws_step is None or t <= self.acts.sub:
-                o.attn_prefill(S, a.q3, self.kv.k(layer), self.kv.v(layer), a.attn3, ws_step, start_pos)
+                o.attn_prefill(S, a.q3, self.kv.k(layer), self.kv.v(layer), a.attn3, ws_step, start_pos,
+                               session=self.ws_session)
             else:                   # materialized scores: the step workspace holds a sub-chunk's
                 self._attn_in_parts(layer, t, start_pos, ws_step)
             wo = p + "self_attn.o_proj.weight"
@@ -293,7 +294,7 @@ class Step:
             n = min(part, t - s0)
             q = self.acts.rows("q", r0 + s0, n, (hq, d))
             out = self.acts.rows("attn", r0 + s0, n, (hq, d))
-            self.ops.attn_prefill(self.S, q, kv.k(layer), kv.v(layer), out, ws, start_pos + s0)
+            self.ops.attn_prefill(self.S, q, kv.k(layer), kv.v(layer), out, ws, start_pos + s0, session=self.ws_session)
 
     def _mlp(self, p, a, mm, decode) -> None:
         """proj = (silu(xn · Wgᵀ) * (xn · Wuᵀ)) · Wdᵀ."""

@@ -1,0 +1,166 @@
+"""Causal GQA prefill attention through cuDNN's fused SDPA (the ``nvidia-cudnn-frontend`` Python graph API), the
+library's Hopper flash-attention kernels instead of ours for long prompts (``bench/test_bench_attention.py``
+compares them with ours and torch SDPA in one run).
+
+Same contract as ``prefill.launch``: q ``[T, Hq, D]`` at positions ``[start_pos, start_pos + T)``, k / v the
+layer's sequence-major cache ``[S, Hkv, D]`` (bf16 as uint16), out ``[T, Hq, D]``; query row i sees keys
+``[0, start_pos + i]``. cuDNN reads our layout through strides (``[1, H, T, D]`` with head stride D and row
+stride H·D), the mask is the bottom-right causal diagonal (``n_keys = start_pos + T``), so nothing is copied.
+
+Optional: ``available()`` is False when the frontend or libcudnn cannot be loaded (then ``prefill.choose_route``
+keeps our kernels). Everything a call needs is fixed before any capture:
+
+- the workspace is a session-lifetime buffer of ``WORKSPACE`` bytes from the governed pool, shared with the other
+  session-workspace users (it runs in stream order between them); a shape whose plan wants more is not taken;
+- each shape's graph (T, keys, cache rows, heads, D, scale) is built on its first, eager, use and kept
+  (``_GRAPHS_MAX``); a call made while the stream is being captured never builds one (``Unsupported``: the caller
+  runs our kernel instead).
+
+The first graph of a process costs about 1.2 s (cuDNN loading its engines), every new shape after it 40-70 ms
+(an H100, run 12-07 k); ``prewarm`` pays the first on a thread while a model loads.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from vmmstream.kernels.base.launch import data_ptr
+from vmmstream.kernels.base.workspace import Lifetime, WorkspaceRequirement
+
+CAPTURE_SAFE = True       # once a shape's graph exists: no allocation, no synchronize (checked by a captured replay)
+WORKSPACE = 1 << 20       # cuDNN asked for 256 bytes at every shape measured; the rest is headroom
+_GRAPHS_MAX = 128         # graphs kept (host objects); the least recently used goes first
+
+_lock = threading.Lock()
+_state: dict = {}         # "lib", "handle", "graphs": {key: _Graph | str (why refused)}, "error": why not loaded
+
+
+class Unsupported(RuntimeError):
+    """No cuDNN graph for this shape (raised before anything is enqueued: the caller falls back)."""
+
+
+def workspace_requirement() -> WorkspaceRequirement:
+    return WorkspaceRequirement(WORKSPACE, Lifetime.SESSION)
+
+
+def _lib():
+    with _lock:
+        if "lib" not in _state:
+            try:
+                import cudnn
+                if cudnn.backend_version() < 90000:
+                    raise RuntimeError(f"cuDNN {cudnn.backend_version()} is older than 9.0")
+                _state["handle"] = cudnn.create_handle()
+                _state["lib"], _state["graphs"] = cudnn, {}
+            except Exception as e:          # not installed, no libcudnn, no GPU: the caller falls back
+                _state["lib"], _state["error"] = None, f"{type(e).__name__}: {e}"
+        return _state["lib"]
+
+
+def prewarm(hq: int, hkv: int, d: int, make_current=None) -> threading.Thread | None:
+    """Start cuDNN on a thread of its own (its first graph in a process costs about a second, most of it loading
+    the library's engines), so that a model's first long prompt does not wait for it: called while a model
+    loads. ``make_current``: makes the model's CUDA context current on that thread. The thread holds the lock a
+    launch takes, so a launch meanwhile waits for it; a failure here is kept (``unavailable_reason``), never
+    raised. Returns the thread (None where one already ran)."""
+    with _lock:
+        if "prewarm" in _state:
+            return None
+        _state["prewarm"] = None
+
+    def run():
+        try:
+            if make_current is not None:
+                make_current()
+            cudnn = _lib()
+            if cudnn is not None:
+                with _lock:
+                    _Graph(cudnn, _state["handle"], 256, 256, 256, hq, hkv, d, 1.0 / d ** 0.5)
+        except Exception as e:  # noqa: BLE001  (a launch will meet the same problem and fall back)
+            _state["prewarm_error"] = f"{type(e).__name__}: {e}"
+
+    t = threading.Thread(target=run, name="vmmstream-cudnn-start", daemon=True)
+    _state["prewarm"] = t
+    t.start()
+    return t
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def unavailable_reason() -> str | None:
+    return None if available() else _state.get("error")
+
+
+class _Graph:
+    """One shape's built graph and its tensors (q, k, v, o)."""
+
+    def __init__(self, cudnn, handle, T, n_keys, S, hq, hkv, d, scale):
+        bf, f32 = cudnn.data_type.BFLOAT16, cudnn.data_type.FLOAT
+        g = cudnn.pygraph(io_data_type=bf, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
+        self.q = g.tensor(name="q", dim=[1, hq, T, d], stride=[T * hq * d, d, hq * d, 1], data_type=bf)
+        self.k = g.tensor(name="k", dim=[1, hkv, n_keys, d], stride=[S * hkv * d, d, hkv * d, 1], data_type=bf)
+        self.v = g.tensor(name="v", dim=[1, hkv, n_keys, d], stride=[S * hkv * d, d, hkv * d, 1], data_type=bf)
+        res = g.sdpa(name="sdpa", q=self.q, k=self.k, v=self.v, attn_scale=float(scale), generate_stats=False,
+                     diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT, diagonal_band_right_bound=0)
+        self.o = res[0] if isinstance(res, (tuple, list)) else res
+        self.o.set_output(True).set_dim([1, hq, T, d]).set_stride([T * hq * d, d, hq * d, 1]).set_data_type(bf)
+        g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        self.workspace = int(g.get_workspace_size())
+        if self.workspace > WORKSPACE:
+            raise Unsupported(f"cuDNN SDPA wants {self.workspace} bytes of workspace, more than {WORKSPACE}")
+        self.graph = g
+
+
+def _capturing(stream_handle: int) -> bool:
+    from cuda.bindings import driver as cu
+    err, status = cu.cuStreamIsCapturing(stream_handle)
+    return err != cu.CUresult.CUDA_SUCCESS or status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
+
+def _stream_handle(stream) -> int:
+    if stream is None or stream == 0:
+        return 0
+    h = getattr(stream, "cuda_stream", None)
+    if h is None:
+        h = getattr(stream, "handle", stream)
+        h = getattr(h, "value", h)
+    return int(h or 0)
+
+
+def launch(q, k, v, out, workspace, *, start_pos: int, scale: float, stream=None) -> None:
+    """out = causal GQA attention (the contract above) on ``stream``; ``workspace``: uint8, >= ``WORKSPACE``
+    bytes. Raises ``Unsupported`` (nothing enqueued) where cuDNN has no graph for the shape or one would have to
+    be built during a capture."""
+    cudnn = _lib()
+    if cudnn is None:
+        raise Unsupported(f"cuDNN is not available: {_state.get('error')}")
+    T, hq, d = q.shape
+    S, hkv = k.shape[0], k.shape[1]
+    n_keys = start_pos + T
+    if workspace is None or workspace.shape[0] * workspace.dtype.itemsize < WORKSPACE:
+        raise ValueError(f"the cuDNN route needs a workspace of {WORKSPACE} bytes")
+    if any(data_ptr(a) % 16 for a in (q, k, v, out)):
+        raise Unsupported("the cuDNN route takes 16-byte aligned operands")
+    sh = _stream_handle(stream)
+    key = (T, n_keys, S, hq, hkv, d, float(scale))
+    with _lock:
+        graphs = _state["graphs"]
+        if key in graphs:
+            g = graphs.pop(key)
+        else:
+            if _capturing(sh):
+                raise Unsupported("no cuDNN graph for this shape yet, and none is built during a capture")
+            try:
+                g = _Graph(cudnn, _state["handle"], T, n_keys, S, hq, hkv, d, scale)
+            except Exception as e:  # noqa: BLE001  (cudnnGraphNotSupportedError and kin: this shape is not taken)
+                g = f"{type(e).__name__}: {e}"
+            while len(graphs) >= _GRAPHS_MAX:
+                graphs.pop(next(iter(graphs)))
+        graphs[key] = g                     # most recently used last; a str: why cuDNN refused it, remembered
+        if isinstance(g, str):
+            raise Unsupported(f"cuDNN has no SDPA graph for T={T} keys={n_keys} heads={hq}/{hkv} d={d}: {g}")
+        cudnn.set_stream(handle=_state["handle"], stream=sh)
+        g.graph.execute({g.q: data_ptr(q), g.k: data_ptr(k), g.v: data_ptr(v), g.o: data_ptr(out)},
+                        data_ptr(workspace), handle=_state["handle"])

@@ -1,0 +1,202 @@
+"""The cuDNN prefill-attention route's host side, against a stand-in for the ``cudnn`` frontend module: how our
+[T, H, D] q and [S, Hkv, D] cache are described to cuDNN (dims, strides, the bottom-right causal diagonal), one graph
+per shape kept and reused, nothing built during a capture, a shape cuDNN refuses remembered, the workspace bound.
+Its numbers are checked on the GPU (``tests/gpu/test_attention_gpu.py -k cudnn``)."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import numpy as np
+import pytest
+
+from vmmstream.kernels.attention import cudnn_sdpa, prefill as ap
+from vmmstream.kernels.base.launch import data_ptr
+
+
+class _T:
+    def __init__(self, **kw):
+        self.kw = kw
+
+    def set_output(self, v):
+        self.kw["output"] = v
+        return self
+
+    def set_dim(self, d):
+        self.kw["dim"] = d
+        return self
+
+    def set_stride(self, s):
+        self.kw["stride"] = s
+        return self
+
+    def set_data_type(self, t):
+        self.kw["data_type"] = t
+        return self
+
+
+class FakeCudnn:
+    """Records every graph built and every execute; ``fail`` makes ``build`` raise, ``ws`` is the workspace asked."""
+
+    def __init__(self):
+        self.graphs, self.runs, self.streams, self.fail, self.ws = [], [], [], False, 256
+        self.data_type = types.SimpleNamespace(BFLOAT16="bf16", FLOAT="f32")
+        self.diagonal_alignment = types.SimpleNamespace(BOTTOM_RIGHT="bottom_right", TOP_LEFT="top_left")
+        self.heur_mode = types.SimpleNamespace(A="A", FALLBACK="FALLBACK")
+        fake = self
+
+        class Graph:
+            def __init__(self, **kw):
+                self.kw, self.tensors = kw, {}
+                fake.graphs.append(self)
+
+            def tensor(self, **kw):
+                t = self.tensors[kw["name"]] = _T(**kw)
+                return t
+
+            def sdpa(self, **kw):
+                self.sdpa_kw = kw
+                self.tensors["o"] = _T(name="o")
+                return self.tensors["o"], None
+
+            def build(self, modes):
+                if fake.fail:
+                    raise RuntimeError("cudnnGraphNotSupportedError: no engine")
+
+            def get_workspace_size(self):
+                return fake.ws
+
+            def execute(self, pack, ws, handle):
+                fake.runs.append((self, {t.kw["name"]: p for t, p in pack.items()}, ws, handle))
+
+        self.pygraph = Graph
+
+    def set_stream(self, handle, stream):
+        self.streams.append((handle, stream))
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    f = FakeCudnn()
+    monkeypatch.setattr(cudnn_sdpa, "_state", {"lib": f, "handle": "H", "graphs": {}})
+    capturing = {"on": False}
+    monkeypatch.setattr(cudnn_sdpa, "_capturing", lambda handle: capturing["on"])
+    f.capturing = capturing
+    return f
+
+
+def arrays(T, hq, hkv, d, S):
+    q = np.zeros((T, hq, d), np.uint16)
+    k, v = np.zeros((S, hkv, d), np.uint16), np.zeros((S, hkv, d), np.uint16)
+    return q, k, v, np.zeros_like(q), np.zeros(cudnn_sdpa.WORKSPACE, np.uint8)
+
+
+class _Stream:
+    handle = types.SimpleNamespace(value=0x5000)
+
+
+def test_our_layout_described_by_strides_with_the_bottom_right_diagonal(fake):
+    T, hq, hkv, d, S, start = 40, 8, 2, 64, 100, 25
+    q, k, v, out, ws = arrays(T, hq, hkv, d, S)
+    cudnn_sdpa.launch(q, k, v, out, ws, start_pos=start, scale=0.125, stream=_Stream())
+    (g,) = fake.graphs
+    t = g.tensors
+    assert t["q"].kw["dim"] == [1, hq, T, d] and t["q"].kw["stride"] == [T * hq * d, d, hq * d, 1]
+    for name in ("k", "v"):      # the cache's first start + T rows, at the cache's own row stride
+        assert t[name].kw["dim"] == [1, hkv, start + T, d]
+        assert t[name].kw["stride"] == [S * hkv * d, d, hkv * d, 1]
+    assert t["o"].kw["dim"] == [1, hq, T, d] and t["o"].kw["stride"] == [T * hq * d, d, hq * d, 1]
+    assert t["o"].kw["output"] is True and t["o"].kw["data_type"] == "bf16"
+    kw = g.sdpa_kw
+    assert kw["diagonal_alignment"] == "bottom_right" and kw["diagonal_band_right_bound"] == 0
+    assert kw["attn_scale"] == 0.125 and kw["generate_stats"] is False
+    (run,) = fake.runs
+    assert run[1] == {"q": data_ptr(q), "k": data_ptr(k), "v": data_ptr(v), "o": data_ptr(out)}
+    assert run[2] == data_ptr(ws) and run[3] == "H" and fake.streams == [("H", 0x5000)]
+
+
+def test_one_graph_per_shape_reused(fake):
+    q, k, v, out, ws = arrays(16, 4, 1, 64, 64)
+    for _ in range(3):
+        cudnn_sdpa.launch(q, k, v, out, ws, start_pos=0, scale=0.1, stream=None)
+    assert len(fake.graphs) == 1 and len(fake.runs) == 3
+    cudnn_sdpa.launch(q, k, v, out, ws, start_pos=8, scale=0.1, stream=None)    # more keys: another graph
+    cudnn_sdpa.launch(q, k, v, out, ws, start_pos=0, scale=0.2, stream=None)    # another scale: another graph
+    assert len(fake.graphs) == 3 and len(fake.runs) == 5
+
+
+def test_nothing_is_built_during_a_capture(fake):
+    q, k, v, out, ws = arrays(16, 4, 1, 64, 64)
+    fake.capturing["on"] = True
+    with pytest.raises(cudnn_sdpa.Unsupported, match="capture"):
+        cudnn_sdpa.launch(q, k, v, out, ws, start_pos=0, scale=0.1, stream=None)
+    assert fake.graphs == [] and fake.runs == [] and cudnn_sdpa._state["graphs"] == {}
+    fake.capturing["on"] = False
+    cudnn_sdpa.launch(q, k, v, out, ws, start_pos=0, scale=0.1, stream=None)    # eager: built
+    fake.capturing["on"] = True
+    cudnn_sdpa.launch(q, k, v, out, ws, start_pos=0, scale=0.1, stream=None)    # captured: the kept graph
+    assert len(fake.graphs) == 1 and len(fake.runs) == 2
+
+
+def test_a_refused_shape_is_remembered_and_raises_before_any_work(fake):
+    q, k, v, out, ws = arrays(16, 4, 1, 64, 64)
+    fake.fail = True
+    for _ in range(2):
+        with pytest.raises(cudnn_sdpa.Unsupported, match="no engine"):
+            cudnn_sdpa.launch(q, k, v, out, ws, start_pos=0, scale=0.1, stream=None)
+    assert len(fake.graphs) == 1 and fake.runs == []      # built once, refused, not tried again
+    fake.fail, fake.ws = False, cudnn_sdpa.WORKSPACE + 1    # a plan wanting more than the planned workspace
+    with pytest.raises(cudnn_sdpa.Unsupported, match="workspace"):
+        cudnn_sdpa.launch(q, k, v, out, ws, start_pos=1, scale=0.1, stream=None)
+    assert fake.runs == []
+    with pytest.raises(ValueError, match="workspace"):      # a short view: the caller's error, not a fallback
+        cudnn_sdpa.launch(q, k, v, out, ws[:-1], start_pos=0, scale=0.1, stream=None)
+
+
+def test_kept_graphs_are_bounded(fake, monkeypatch):
+    monkeypatch.setattr(cudnn_sdpa, "_GRAPHS_MAX", 2)
+    q, k, v, out, ws = arrays(16, 4, 1, 64, 64)
+    for sp in (0, 1, 2, 0):
+        cudnn_sdpa.launch(q, k, v, out, ws, start_pos=sp, scale=0.1, stream=None)
+    assert len(cudnn_sdpa._state["graphs"]) == 2 and len(fake.graphs) == 4    # start 0 was evicted, built again
+
+
+def test_route_choice():
+    """No cuDNN without a session workspace, for short prompts, or where it does not load (this machine: the
+    frontend is not installed, or the simulator): ``choose_route`` then keeps our kernels."""
+    ws = cudnn_sdpa.WORKSPACE
+    assert ap.cudnn_takes(2048, 32, 8, 128) and ap.cudnn_takes(1100, 32, 8, 128, start_pos=1500)
+    assert not ap.cudnn_takes(2047, 32, 8, 128) and not ap.cudnn_takes(200, 32, 8, 128, start_pos=30000)
+    assert not ap.cudnn_takes(4096, 32, 8, 100)               # D not a multiple of 8
+    if not ap.cudnn_usable():
+        assert ap.choose_route(4096, 32, 8, 128, session_workspace_bytes=ws) == ap.FUSED_MMA_ASYNC
+        assert ap.session_requirement().bytes == 0
+    assert ap.workspace_requirement(4096, 32, 8, 128) == ap.NONE     # route=None: never cuDNN's session buffer
+    assert ap.workspace_requirement(4096, 32, 8, 128, route=ap.CUDNN).bytes == ws
+
+
+def test_route_choice_where_cudnn_loads(monkeypatch):
+    monkeypatch.setattr(ap, "cudnn_usable", lambda: True)
+    ws = cudnn_sdpa.WORKSPACE
+    assert ap.choose_route(2048, 32, 8, 128, session_workspace_bytes=ws) == ap.CUDNN
+    assert ap.choose_route(2048, 32, 8, 128, session_workspace_bytes=ws - 1) == ap.FUSED_MMA_ASYNC
+    assert ap.choose_route(2048, 32, 8, 128) == ap.FUSED_MMA_ASYNC
+    assert ap.choose_route(64, 32, 8, 128, session_workspace_bytes=ws) == ap.FUSED_MMA_ASYNC
+    assert ap.choose_route(2048, 32, 8, 80, session_workspace_bytes=ws) == ap.CUDNN     # ours: fused_mma
+    assert math.isclose(ap.CUDNN_MIN_PAIRS, 2048 * 2049 / 2)
+
+
+def test_prewarm_starts_cudnn_once_on_its_own_thread(fake):
+    import threading
+    seen = []
+    t = cudnn_sdpa.prewarm(8, 2, 64, make_current=lambda: seen.append(threading.current_thread().name))
+    t.join(5)
+    assert seen == ["vmmstream-cudnn-start"] and len(fake.graphs) == 1       # the model's heads, not kept
+    assert [fake.graphs[0].tensors[n].kw["dim"][1] for n in ("q", "k")] == [8, 2]
+    assert cudnn_sdpa._state["graphs"] == {} and fake.runs == []
+    assert cudnn_sdpa.prewarm(8, 2, 64) is None                              # once a process
+    fake.fail = True                 # a failure there is kept, not raised
+    cudnn_sdpa._state.pop("prewarm")
+    cudnn_sdpa.prewarm(8, 2, 64).join(5)
+    assert "no engine" in cudnn_sdpa._state["prewarm_error"]
