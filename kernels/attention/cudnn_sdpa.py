@@ -4,15 +4,16 @@ compares them with ours and torch SDPA in one run).
 
 Same contract as ``prefill.launch``: q ``[T, Hq, D]`` at positions ``[start_pos, start_pos + T)``, k / v the
 layer's sequence-major cache ``[S, Hkv, D]`` (bf16 as uint16), out ``[T, Hq, D]``; query row i sees keys
-``[0, start_pos + i]``. cuDNN reads our layout through strides (``[1, H, T, D]`` with head stride D and row
-stride H·D), the mask is the bottom-right causal diagonal (``n_keys = start_pos + T``), so nothing is copied.
+``[0, start_pos + i]``. cuDNN reads our arrays through their own strides (``[1, H, rows, D]`` with the array's head
+and row strides: a layer's K rows in a model's cache are a whole position's row of every layer apart), the mask
+is the bottom-right causal diagonal (``n_keys = start_pos + T``), so nothing is copied.
 
 Optional: ``available()`` is False when the frontend or libcudnn cannot be loaded (then ``prefill.choose_route``
 keeps our kernels). Everything a call needs is fixed before any capture:
 
 - the workspace is a session-lifetime buffer of ``WORKSPACE`` bytes from the governed pool, shared with the other
   session-workspace users (it runs in stream order between them); a shape whose plan wants more is not taken;
-- each shape's graph (T, keys, cache rows, heads, D, scale) is built on its first, eager, use and kept
+- each shape's graph (T, keys, heads, D, scale, the operands' strides) is built on its first, eager, use and kept
   (``_GRAPHS_MAX``); a call made while the stream is being captured never builds one (``Unsupported``: the caller
   runs our kernel instead).
 
@@ -75,7 +76,8 @@ def prewarm(hq: int, hkv: int, d: int, make_current=None) -> threading.Thread | 
             cudnn = _lib()
             if cudnn is not None:
                 with _lock:
-                    _Graph(cudnn, _state["handle"], 256, 256, 256, hq, hkv, d, 1.0 / d ** 0.5)
+                    _Graph(cudnn, _state["handle"], 256, 256, hq, hkv, d, 1.0 / d ** 0.5,
+                           (hq * d, d), (hkv * d, d), (hkv * d, d), (hq * d, d))
         except Exception as e:  # noqa: BLE001  (a launch will meet the same problem and fall back)
             _state["prewarm_error"] = f"{type(e).__name__}: {e}"
 
@@ -96,21 +98,34 @@ def unavailable_reason() -> str | None:
 class _Graph:
     """One shape's built graph and its tensors (q, k, v, o)."""
 
-    def __init__(self, cudnn, handle, T, n_keys, S, hq, hkv, d, scale):
+    def __init__(self, cudnn, handle, T, n_keys, hq, hkv, d, scale, sq, sk, sv, so):
+        """``sq`` .. ``so``: the (row, head) strides in elements of q, k, v and out (their last axis packed). A
+        model's cache is position-major over all layers, so a layer's K rows are far apart: read as they are."""
         bf, f32 = cudnn.data_type.BFLOAT16, cudnn.data_type.FLOAT
         g = cudnn.pygraph(io_data_type=bf, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
-        self.q = g.tensor(name="q", dim=[1, hq, T, d], stride=[T * hq * d, d, hq * d, 1], data_type=bf)
-        self.k = g.tensor(name="k", dim=[1, hkv, n_keys, d], stride=[S * hkv * d, d, hkv * d, 1], data_type=bf)
-        self.v = g.tensor(name="v", dim=[1, hkv, n_keys, d], stride=[S * hkv * d, d, hkv * d, 1], data_type=bf)
+
+        def desc(name, rows, heads, st):     # [1, H, rows, D] over our [rows, H, D]; the batch stride is unused
+            return g.tensor(name=name, dim=[1, heads, rows, d], stride=[rows * st[0], st[1], st[0], 1],
+                            data_type=bf)
+        self.q, self.k, self.v = desc("q", T, hq, sq), desc("k", n_keys, hkv, sk), desc("v", n_keys, hkv, sv)
         res = g.sdpa(name="sdpa", q=self.q, k=self.k, v=self.v, attn_scale=float(scale), generate_stats=False,
                      diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT, diagonal_band_right_bound=0)
         self.o = res[0] if isinstance(res, (tuple, list)) else res
-        self.o.set_output(True).set_dim([1, hq, T, d]).set_stride([T * hq * d, d, hq * d, 1]).set_data_type(bf)
+        self.o.set_output(True).set_dim([1, hq, T, d]).set_stride([T * so[0], so[1], so[0], 1]).set_data_type(bf)
         g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         self.workspace = int(g.get_workspace_size())
         if self.workspace > WORKSPACE:
             raise Unsupported(f"cuDNN SDPA wants {self.workspace} bytes of workspace, more than {WORKSPACE}")
         self.graph = g
+
+
+def _strides(a) -> tuple[int, int] | None:
+    """(row, head) strides of a [rows, H, D] bf16 array in elements, None unless D is packed and both are
+    multiples of 8 elements (16 bytes)."""
+    st = getattr(a, "strides", None)
+    if st is None or len(st) != 3 or st[2] != 2 or st[0] % 16 or st[1] % 16:
+        return None
+    return st[0] // 2, st[1] // 2
 
 
 def _capturing(stream_handle: int) -> bool:
@@ -137,14 +152,17 @@ def launch(q, k, v, out, workspace, *, start_pos: int, scale: float, stream=None
     if cudnn is None:
         raise Unsupported(f"cuDNN is not available: {_state.get('error')}")
     T, hq, d = q.shape
-    S, hkv = k.shape[0], k.shape[1]
+    hkv = k.shape[1]
     n_keys = start_pos + T
     if workspace is None or workspace.shape[0] * workspace.dtype.itemsize < WORKSPACE:
         raise ValueError(f"the cuDNN route needs a workspace of {WORKSPACE} bytes")
     if any(data_ptr(a) % 16 for a in (q, k, v, out)):
         raise Unsupported("the cuDNN route takes 16-byte aligned operands")
+    st = [_strides(a) for a in (q, k, v, out)]
+    if any(s is None for s in st):
+        raise Unsupported("the cuDNN route takes operands whose last axis is packed and rows 16-byte aligned")
     sh = _stream_handle(stream)
-    key = (T, n_keys, S, hq, hkv, d, float(scale))
+    key = (T, n_keys, hq, hkv, d, float(scale), *st)
     with _lock:
         graphs = _state["graphs"]
         if key in graphs:
@@ -153,7 +171,7 @@ def launch(q, k, v, out, workspace, *, start_pos: int, scale: float, stream=None
             if _capturing(sh):
                 raise Unsupported("no cuDNN graph for this shape yet, and none is built during a capture")
             try:
-                g = _Graph(cudnn, _state["handle"], T, n_keys, S, hq, hkv, d, scale)
+                g = _Graph(cudnn, _state["handle"], T, n_keys, hq, hkv, d, scale, *st)
             except Exception as e:  # noqa: BLE001  (cudnnGraphNotSupportedError and kin: this shape is not taken)
                 g = f"{type(e).__name__}: {e}"
             while len(graphs) >= _GRAPHS_MAX:

@@ -89,8 +89,8 @@ CUBLASLT = Variable(
     "0 = our tensor-core GEMM")
 
 CUDNN = Variable(
-    "VMMSTREAM_CUDNN", _parse_bool, True,
-    "prefill attention of long prompts (2,048 tokens and up) through cuDNN's fused SDPA where "
-    "nvidia-cudnn-frontend is installed (pip install 'vmmstream[cudnn]'); 0 = our tensor-core kernel")
+    "VMMSTREAM_CUDNN", _parse_bool, False,
+    "1 = prefill attention of long prompts (2,048 tokens and up) through cuDNN's fused SDPA where "
+    "nvidia-cudnn-frontend is installed (pip install 'vmmstream[cudnn]'); 0 (default) = our tensor-core kernel")
 
 ALL = (LEGACY_ALLOCATOR, BUDGET, BACKEND, KERNEL_CACHE, CACHE_DIR, CUBLASLT, CUDNN)

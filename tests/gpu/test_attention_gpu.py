@@ -70,12 +70,10 @@ def prefill_case(stream, T, Hq, Hkv, Dh, start_pos, route, S=None, heads=None, s
 # --------------------------------------------------------------------------------------- prefill
 
 def _need_cudnn():
-    """The cuDNN route is optional (``vmmstream[cudnn]``); a GPU run without it fails here, saying why, unless
-    ``VMMSTREAM_CUDNN=0`` says it is meant to be absent."""
+    """The cuDNN route is optional (``vmmstream[cudnn]``): a GPU run without it fails here, saying why."""
     from vmmstream.kernels.attention import cudnn_sdpa
-    if not ap.PREFER_CUDNN:
-        pytest.skip("VMMSTREAM_CUDNN=0: the cuDNN route is turned off")
-    assert cudnn_sdpa.available(), f"cuDNN route not loadable: {cudnn_sdpa.unavailable_reason()}"
+    assert cudnn_sdpa.available(), f"cuDNN route not loadable (pip install 'vmmstream[cudnn]'): " \
+                                   f"{cudnn_sdpa.unavailable_reason()}"
 
 
 @pytest.mark.parametrize("T,Hq,Hkv,Dh,start_pos,S", [
@@ -93,7 +91,7 @@ def test_prefill_cudnn_route(stream, T, Hq, Hkv, Dh, start_pos, S):
     assert_bf16_close(got, ref, 1e-2)
 
 
-def test_prefill_cudnn_chosen_for_long_prompts_and_captured():
+def test_prefill_cudnn_chosen_for_long_prompts_and_captured(monkeypatch):
     """``choose_route`` takes cuDNN for a 2,048-token prompt when a session workspace is given (our kernel
     without one, or for a short prompt); the launch, captured in a CUDA graph after an eager one, replays the
     reference for new q; a shape first met inside a capture runs our kernel instead (nothing built there)."""
@@ -101,6 +99,7 @@ def test_prefill_cudnn_chosen_for_long_prompts_and_captured():
     from vmmstream.kernels.attention import cudnn_sdpa
     from vmmstream.kernels.base.launch import as_stream
     _need_cudnn()
+    monkeypatch.setattr(ap, "PREFER_CUDNN", True)        # VMMSTREAM_CUDNN=1 (opt-in)
     T = 2048
     ws = cuda.device_array(cudnn_sdpa.WORKSPACE, np.uint8)
     assert ap.choose_route(T, HQ, HKV, D, session_workspace_bytes=ws.nbytes) == ap.CUDNN
@@ -131,13 +130,36 @@ def test_prefill_cudnn_chosen_for_long_prompts_and_captured():
     with torch.cuda.stream(side):                   # our kernel compiled and loaded outside the capture
         ap.launch(dq, dk3, dv3, out, None, route=ap.FUSED_MMA_ASYNC, stream=as_stream(side))
     side.synchronize()
+    kept = len(cudnn_sdpa._state["graphs"])
     graph2 = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph2, stream=side):
         ap.launch(dq, dk3, dv3, out, None, stream=as_stream(side), session_workspace=ws)
     graph2.replay()
     torch.cuda.synchronize()
     assert_bf16_close(out.copy_to_host()[:, HEADS], ap.reference(q2[:, HEADS], k3[:, kvh], v3[:, kvh]), 1e-2)
-    assert (T, T, T + 1, HQ, HKV, D, 1.0 / np.sqrt(D)) not in cudnn_sdpa._state["graphs"]
+    assert len(cudnn_sdpa._state["graphs"]) == kept        # nothing built inside the capture
+
+
+def test_prefill_cudnn_route_reads_a_models_strided_cache(stream):
+    """A model's KV cache is position-major over every layer: layer l's K rows are a whole position's row apart.
+    cuDNN must read them through those strides (a contiguous assumption read other layers' rows)."""
+    _need_cudnn()
+    from vmmstream.kernels.attention import cudnn_sdpa
+    T, sp, layers, layer = 768, 1400, 4, 2
+    rng = np.random.default_rng(8)
+    q = bf16(rng, (T, HQ, D))
+    cache = bf16(rng, (sp + T + 5, layers, 2, HKV, D))
+    dcache = cuda.to_device(cache)
+    dk, dv = dcache[:, layer, 0], dcache[:, layer, 1]
+    out = cuda.to_device(np.full_like(q, 0x7FC0))
+    ws = cuda.device_array(cudnn_sdpa.WORKSPACE, np.uint8)
+    ap.launch(cuda.to_device(q), dk, dv, out, None, start_pos=sp, route=ap.CUDNN, stream=stream,
+              session_workspace=ws)
+    got = out.copy_to_host(stream=stream)
+    stream.synchronize()
+    kvh = [h // (HQ // HKV) for h in HEADS]
+    k, v = cache[:, layer, 0], cache[:, layer, 1]
+    assert_bf16_close(got[:, HEADS], ap.reference(q[:, HEADS], k[:, kvh], v[:, kvh], start_pos=sp), 1e-2)
 
 
 @pytest.mark.parametrize("route,tol", [(ap.FUSED_MMA_ASYNC, 1e-2), (ap.FUSED_MMA, 1e-2), (ap.FUSED, 2e-3)])

@@ -94,8 +94,9 @@ def test_cublaslt_is_the_default_and_only_known_words_switch_it(monkeypatch, raw
     assert CUBLASLT.get({} if raw is None else {"VMMSTREAM_CUBLASLT": raw}) is expected
 
 
-@pytest.mark.parametrize("raw,expected", [(None, True), ("", True), ("yes", True), ("0", False), ("OFF", False)])
-def test_cudnn_attention_is_the_default_and_only_known_words_switch_it(monkeypatch, raw, expected):
+@pytest.mark.parametrize("raw,expected", [(None, False), ("", False), ("yes", True), ("1", True), ("0", False),
+                                          ("OFF", False)])
+def test_cudnn_attention_is_opt_in_and_only_known_words_switch_it(monkeypatch, raw, expected):
     from vmmstream.config import CUDNN
     from vmmstream.kernels.attention import prefill
     if raw is None:

@@ -97,15 +97,18 @@ class _Stream:
 
 
 def test_our_layout_described_by_strides_with_the_bottom_right_diagonal(fake):
-    T, hq, hkv, d, S, start = 40, 8, 2, 64, 100, 25
-    q, k, v, out, ws = arrays(T, hq, hkv, d, S)
+    T, hq, hkv, d, S, start, layers, layer = 40, 8, 2, 64, 100, 25, 3, 1
+    q, _, _, out, ws = arrays(T, hq, hkv, d, S)
+    cache = np.zeros((S, layers, 2, hkv, d), np.uint16)      # a model's cache: position-major over every layer
+    k, v = cache[:, layer, 0], cache[:, layer, 1]
+    row = layers * 2 * hkv * d                               # a layer's K rows are a whole position's row apart
     cudnn_sdpa.launch(q, k, v, out, ws, start_pos=start, scale=0.125, stream=_Stream())
     (g,) = fake.graphs
     t = g.tensors
     assert t["q"].kw["dim"] == [1, hq, T, d] and t["q"].kw["stride"] == [T * hq * d, d, hq * d, 1]
     for name in ("k", "v"):      # the cache's first start + T rows, at the cache's own row stride
         assert t[name].kw["dim"] == [1, hkv, start + T, d]
-        assert t[name].kw["stride"] == [S * hkv * d, d, hkv * d, 1]
+        assert t[name].kw["stride"] == [(start + T) * row, d, row, 1]
     assert t["o"].kw["dim"] == [1, hq, T, d] and t["o"].kw["stride"] == [T * hq * d, d, hq * d, 1]
     assert t["o"].kw["output"] is True and t["o"].kw["data_type"] == "bf16"
     kw = g.sdpa_kw
@@ -114,6 +117,15 @@ def test_our_layout_described_by_strides_with_the_bottom_right_diagonal(fake):
     (run,) = fake.runs
     assert run[1] == {"q": data_ptr(q), "k": data_ptr(k), "v": data_ptr(v), "o": data_ptr(out)}
     assert run[2] == data_ptr(ws) and run[3] == "H" and fake.streams == [("H", 0x5000)]
+    cudnn_sdpa.launch(q, cache[:, 2, 0], cache[:, 2, 1], out, ws, start_pos=start, scale=0.125, stream=None)
+    assert len(fake.graphs) == 1          # another layer: the same strides, the same graph
+    contiguous = np.zeros((S, hkv, d), np.uint16)
+    cudnn_sdpa.launch(q, contiguous, contiguous, out, ws, start_pos=start, scale=0.125, stream=None)
+    assert len(fake.graphs) == 2 and fake.graphs[1].tensors["k"].kw["stride"][2] == hkv * d
+    with pytest.raises(cudnn_sdpa.Unsupported, match="packed"):       # D not packed: refused, nothing built
+        kt = np.zeros((S, d, hkv), np.uint16).transpose(0, 2, 1)
+        cudnn_sdpa.launch(q, kt, kt, out, ws, start_pos=0, scale=0.1, stream=None)
+    assert len(fake.graphs) == 2
 
 
 def test_one_graph_per_shape_reused(fake):
