@@ -14,11 +14,15 @@ keeps our kernels). Everything a call needs is fixed before any capture:
 - the workspace is a session-lifetime buffer of ``WORKSPACE`` bytes from the governed pool, shared with the other
   session-workspace users (it runs in stream order between them); a shape whose plan wants more is not taken;
 - each shape's graph (T, keys, heads, D, scale, the operands' strides) is built on its first, eager, use and kept
-  (``_GRAPHS_MAX``); a call made while the stream is being captured never builds one (``Unsupported``: the caller
-  runs our kernel instead).
+  for the life of the process (up to ``_GRAPHS_MAX``; a graph is never destroyed while launches of it may be in
+  flight); a call made while the stream is being captured never builds one, nor starts cuDNN (``Unsupported``:
+  the caller runs our kernel instead).
 
 The first graph of a process costs about 1.2 s (cuDNN loading its engines), every new shape after it 40-70 ms
-(an H100, run 12-07 k); ``prewarm`` pays the first on a thread while a model loads.
+(an H100, run 12-07 k), paid by the first prompt of that length (or chunk): a cost to amortize, the reason the
+route is taken only from 2,048 tokens' worth of work. ``prewarm`` pays the first on a thread while a model's weights
+upload. cuDNN's own device memory (its handle, the engines' modules) is outside the governed pool, like every
+kernel module's.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ from vmmstream.kernels.base.workspace import Lifetime, WorkspaceRequirement
 
 CAPTURE_SAFE = True       # once a shape's graph exists: no allocation, no synchronize (checked by a captured replay)
 WORKSPACE = 1 << 20       # cuDNN asked for 256 bytes at every shape measured; the rest is headroom
-_GRAPHS_MAX = 128         # graphs kept (host objects); the least recently used goes first
+_GRAPHS_MAX = 256         # graphs kept; past that a new shape runs our kernel (a kept graph is never destroyed
+                          # while the process runs: one evicted could still have launches in flight)
+_SPAN_MAX = 1 << 31       # elements an operand may span: 32-bit offsets in cuDNN's kernels are not ruled out
 
 _lock = threading.Lock()
 _state: dict = {}         # "lib", "handle", "graphs": {key: _Graph | str (why refused)}, "error": why not loaded
@@ -87,6 +93,13 @@ def prewarm(hq: int, hkv: int, d: int, make_current=None) -> threading.Thread | 
     return t
 
 
+def join_prewarm(timeout: float = 60.0) -> None:
+    """Wait for ``prewarm``'s thread (called once the weights are up, before any capture or close)."""
+    t = _state.get("prewarm")
+    if t is not None and t is not threading.current_thread():
+        t.join(timeout)
+
+
 def available() -> bool:
     return _lib() is not None
 
@@ -112,6 +125,8 @@ class _Graph:
                      diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT, diagonal_band_right_bound=0)
         self.o = res[0] if isinstance(res, (tuple, list)) else res
         self.o.set_output(True).set_dim([1, hq, T, d]).set_stride([T * so[0], so[1], so[0], 1]).set_data_type(bf)
+        if hasattr(g, "deselect_workspace_greater_than"):     # only plans that fit the planned workspace
+            g.deselect_workspace_greater_than(WORKSPACE)
         g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         self.workspace = int(g.get_workspace_size())
         if self.workspace > WORKSPACE:
@@ -148,6 +163,9 @@ def launch(q, k, v, out, workspace, *, start_pos: int, scale: float, stream=None
     """out = causal GQA attention (the contract above) on ``stream``; ``workspace``: uint8, >= ``WORKSPACE``
     bytes. Raises ``Unsupported`` (nothing enqueued) where cuDNN has no graph for the shape or one would have to
     be built during a capture."""
+    sh = _stream_handle(stream)
+    if "lib" not in _state and _capturing(sh):
+        raise Unsupported("cuDNN is not started yet, and it is not started during a capture")
     cudnn = _lib()
     if cudnn is None:
         raise Unsupported(f"cuDNN is not available: {_state.get('error')}")
@@ -161,22 +179,24 @@ def launch(q, k, v, out, workspace, *, start_pos: int, scale: float, stream=None
     st = [_strides(a) for a in (q, k, v, out)]
     if any(s is None for s in st):
         raise Unsupported("the cuDNN route takes operands whose last axis is packed and rows 16-byte aligned")
-    sh = _stream_handle(stream)
+    spans = [(rows - 1) * r + (h - 1) * hs + d for (r, hs), rows, h in zip(st, (T, n_keys, n_keys, T),
+                                                                           (hq, hkv, hkv, hq))]
+    if max(spans) >= _SPAN_MAX:
+        raise Unsupported(f"an operand spans {max(spans)} elements, past 2^31")
     key = (T, n_keys, hq, hkv, d, float(scale), *st)
     with _lock:
         graphs = _state["graphs"]
-        if key in graphs:
-            g = graphs.pop(key)
-        else:
+        g = graphs.get(key)
+        if g is None:
             if _capturing(sh):
                 raise Unsupported("no cuDNN graph for this shape yet, and none is built during a capture")
+            if len(graphs) >= _GRAPHS_MAX:
+                raise Unsupported(f"{_GRAPHS_MAX} cuDNN graphs are kept already")
             try:
                 g = _Graph(cudnn, _state["handle"], T, n_keys, hq, hkv, d, scale, *st)
             except Exception as e:  # noqa: BLE001  (cudnnGraphNotSupportedError and kin: this shape is not taken)
                 g = f"{type(e).__name__}: {e}"
-            while len(graphs) >= _GRAPHS_MAX:
-                graphs.pop(next(iter(graphs)))
-        graphs[key] = g                     # most recently used last; a str: why cuDNN refused it, remembered
+            graphs[key] = g                 # a str: why cuDNN refused the shape, remembered
         if isinstance(g, str):
             raise Unsupported(f"cuDNN has no SDPA graph for T={T} keys={n_keys} heads={hq}/{hkv} d={d}: {g}")
         cudnn.set_stream(handle=_state["handle"], stream=sh)

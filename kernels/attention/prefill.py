@@ -15,8 +15,8 @@ Routes (``choose_route`` picks one, ``route=`` overrides):
   workspace. The fallback, and the route the simulator checks the algorithm with.
 - ``"cudnn"``: cuDNN's fused SDPA (``cudnn_sdpa.py``: the ``nvidia-cudnn-frontend`` package, optional), taken by
   ``choose_route`` for long prompts where it loads, ``VMMSTREAM_CUDNN=1`` (opt-in) and a session workspace is given
-  (``session_workspace=``; ``session_requirement`` sizes it). On an H100 it runs at 0.94 / 1.00 of torch SDPA's
-  TFLOP/s at S = 2,048 / 8,192 where ``fused_mma_async`` runs at 0.42 / 0.36 (run 12-07 k). A shape it cannot
+  (``session_workspace=``; ``session_requirement`` sizes it). On an H100 it runs at 0.99 / 1.00 of torch SDPA's
+  TFLOP/s at S = 2,048 / 8,192 where ``fused_mma_async`` runs at 0.41 / 0.37 (run 12-07 k). A shape it cannot
   plan, or one first met inside a capture, runs the route below it.
 - ``"materialized"``: any D. Writes fp32 scores ``[Hq, T, Sk]`` (Sk = start_pos + T) into a declared
   step-lifetime workspace, then a row-softmax-times-V kernel. For shapes the fused routes do not take.
@@ -85,12 +85,22 @@ def _prefer_cudnn() -> bool:
 PREFER_CUDNN = _prefer_cudnn()
 
 
+_warned = []
+
+
 def cudnn_usable() -> bool:
-    """Whether ``choose_route`` may take the cuDNN route (given a session workspace and a long enough prompt)."""
+    """Whether ``choose_route`` may take the cuDNN route (given a session workspace and a long enough prompt).
+    Asked for (``VMMSTREAM_CUDNN=1``) but not loadable: a warning, once, then our kernels."""
     if la.SIM or not PREFER_CUDNN:
         return False
     from vmmstream.kernels.attention import cudnn_sdpa
-    return cudnn_sdpa.available()
+    ok = cudnn_sdpa.available()
+    if not ok and not _warned:
+        _warned.append(True)
+        import warnings
+        warnings.warn(f"VMMSTREAM_CUDNN=1 but cuDNN's SDPA cannot be loaded ({cudnn_sdpa.unavailable_reason()}); "
+                      "prefill attention runs our kernel (pip install 'vmmstream[cudnn]')", stacklevel=2)
+    return ok
 
 
 def cudnn_takes(T, Hq, Hkv, D, start_pos=0) -> bool:
@@ -99,9 +109,10 @@ def cudnn_takes(T, Hq, Hkv, D, start_pos=0) -> bool:
     return T >= CUDNN_MIN_QUERIES and pairs >= CUDNN_MIN_PAIRS and D % 8 == 0 and D <= 256 and Hq % Hkv == 0
 
 
-def session_requirement():
-    """The session workspace the cuDNN route draws (``NONE`` where it is not usable)."""
-    if not cudnn_usable():
+def session_requirement(max_context, Hq, Hkv, D):
+    """The session workspace the cuDNN route draws for a model of these shapes (``NONE`` where no prompt of up to
+    ``max_context`` tokens would take it, or it is not usable; cuDNN is not even loaded then)."""
+    if not (cudnn_takes(max_context, Hq, Hkv, D) and cudnn_usable()):
         return NONE
     from vmmstream.kernels.attention import cudnn_sdpa
     return cudnn_sdpa.workspace_requirement()

@@ -90,7 +90,7 @@ CUBLASLT = Variable(
 
 CUDNN = Variable(
     "VMMSTREAM_CUDNN", _parse_bool, False,
-    "1 = prefill attention of long prompts (2,048 tokens and up) through cuDNN's fused SDPA where "
+    "1 = prefill attention of long prompts (2,048 tokens, or as much work after a cached prefix) through cuDNN's fused SDPA where "
     "nvidia-cudnn-frontend is installed (pip install 'vmmstream[cudnn]'); 0 (default) = our tensor-core kernel")
 
 ALL = (LEGACY_ALLOCATOR, BUDGET, BACKEND, KERNEL_CACHE, CACHE_DIR, CUBLASLT, CUDNN)

@@ -205,6 +205,9 @@ class Placement:
                 cudnn_sdpa.prewarm(c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                                    getattr(ops.driver, "make_current", None))
         self.weights = Weights(mem, ops, plan, checkpoint, self.holder, copy_stream, progress=progress)
+        if ops.backend == "cuda":     # the cuDNN start (if any) is over before anything is captured or closed
+            from vmmstream.kernels.attention import cudnn_sdpa
+            cudnn_sdpa.join_prewarm()
         if plan.batch > 1:          # one VA range per sequence; the one-sequence path runs in the first
             self.batch_kv = BatchKV(mem, ops, c, plan.max_context, plan.batch, self.holder)
             self.kv = self.batch_kv.slot(0)
@@ -276,7 +279,8 @@ def workspace_peaks(config, max_context: int, tmax: int, backend: str = "host", 
     if backend == "cuda":               # the dense prefill GEMMs' cuBLASLt route, where it loads
         from vmmstream.kernels.matmul.dense import gemm
         session = max(session, gemm.workspace_requirement(tmax, c.hidden_size, c.hidden_size).bytes,
-                      attention_prefill.session_requirement().bytes)   # long prompts' cuDNN attention, where it loads
+                      attention_prefill.session_requirement(      # long prompts' cuDNN attention, where it loads
+                          max_context, c.num_attention_heads, c.num_key_value_heads, c.head_dim).bytes)
     at = tmax if c.is_moe else min(tmax, PREFILL_SUB)     # a dense walk's attention runs in parts of PREFILL_SUB
     step = attention_prefill.workspace_requirement(at, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                                                    start_pos=max_context - at).bytes

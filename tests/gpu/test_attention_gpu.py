@@ -124,20 +124,32 @@ def test_prefill_cudnn_chosen_for_long_prompts_and_captured(monkeypatch):
     torch.cuda.synchronize()
     kvh = [h // (HQ // HKV) for h in HEADS]
     assert_bf16_close(out.copy_to_host()[:, HEADS], ap.reference(q2[:, HEADS], k[:, kvh], v[:, kvh]), 1e-2)
-    # a new shape (2,049 cache rows) met first inside a capture: our kernel is captured, and replays correctly
+    # a new shape (queries from position 1: 2,049 keys) met first inside a capture: cuDNN refuses it there, our
+    # kernel is captured instead, and the replay is right
     k3, v3 = bf16(rng, (T + 1, HKV, D)), bf16(rng, (T + 1, HKV, D))
     dk3, dv3 = cuda.to_device(k3), cuda.to_device(v3)
     with torch.cuda.stream(side):                   # our kernel compiled and loaded outside the capture
-        ap.launch(dq, dk3, dv3, out, None, route=ap.FUSED_MMA_ASYNC, stream=as_stream(side))
+        ap.launch(dq, dk3, dv3, out, None, start_pos=1, route=ap.FUSED_MMA_ASYNC, stream=as_stream(side))
     side.synchronize()
     kept = len(cudnn_sdpa._state["graphs"])
+    refused, real = [], cudnn_sdpa.launch
+
+    def spy(*a, **kw):
+        try:
+            return real(*a, **kw)
+        except cudnn_sdpa.Unsupported as e:
+            refused.append(str(e))
+            raise
+    monkeypatch.setattr(cudnn_sdpa, "launch", spy)
     graph2 = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph2, stream=side):
-        ap.launch(dq, dk3, dv3, out, None, stream=as_stream(side), session_workspace=ws)
+        ap.launch(dq, dk3, dv3, out, None, start_pos=1, stream=as_stream(side), session_workspace=ws)
+    assert len(refused) == 1 and "capture" in refused[0]
+    assert len(cudnn_sdpa._state["graphs"]) == kept        # nothing built inside the capture
     graph2.replay()
     torch.cuda.synchronize()
-    assert_bf16_close(out.copy_to_host()[:, HEADS], ap.reference(q2[:, HEADS], k3[:, kvh], v3[:, kvh]), 1e-2)
-    assert len(cudnn_sdpa._state["graphs"]) == kept        # nothing built inside the capture
+    assert_bf16_close(out.copy_to_host()[:, HEADS],
+                      ap.reference(q2[:, HEADS], k3[:, kvh], v3[:, kvh], start_pos=1), 1e-2)
 
 
 def test_prefill_cudnn_route_reads_a_models_strided_cache(stream):

@@ -166,12 +166,32 @@ def test_a_refused_shape_is_remembered_and_raises_before_any_work(fake):
         cudnn_sdpa.launch(q, k, v, out, ws[:-1], start_pos=0, scale=0.1, stream=None)
 
 
-def test_kept_graphs_are_bounded(fake, monkeypatch):
+def test_kept_graphs_are_bounded_and_never_destroyed(fake, monkeypatch):
+    """Past the cap a new shape is refused (the caller runs our kernel); a kept graph is never dropped, since
+    launches of it may still be in flight."""
     monkeypatch.setattr(cudnn_sdpa, "_GRAPHS_MAX", 2)
     q, k, v, out, ws = arrays(16, 4, 1, 64, 64)
-    for sp in (0, 1, 2, 0):
+    for sp in (0, 1):
         cudnn_sdpa.launch(q, k, v, out, ws, start_pos=sp, scale=0.1, stream=None)
-    assert len(cudnn_sdpa._state["graphs"]) == 2 and len(fake.graphs) == 4    # start 0 was evicted, built again
+    with pytest.raises(cudnn_sdpa.Unsupported, match="kept already"):
+        cudnn_sdpa.launch(q, k, v, out, ws, start_pos=2, scale=0.1, stream=None)
+    cudnn_sdpa.launch(q, k, v, out, ws, start_pos=0, scale=0.1, stream=None)     # a kept shape still runs
+    assert len(cudnn_sdpa._state["graphs"]) == 2 and len(fake.graphs) == 2 and len(fake.runs) == 3
+
+
+def test_an_operand_past_2_31_elements_is_refused(fake):
+    q, _, _, out, ws = arrays(16, 4, 1, 64, 64)
+    rows = (1 << 13) + 64
+    big = np.lib.stride_tricks.as_strided(np.zeros(64, np.uint16), (rows, 1, 64), (2 << 18, 128, 2))  # 256 Ki a row
+    with pytest.raises(cudnn_sdpa.Unsupported, match="2\\^31"):
+        cudnn_sdpa.launch(q, big, big, out, ws, start_pos=rows - 16, scale=0.1, stream=None)
+    assert fake.graphs == []
+
+
+def test_route_session_requirement_only_where_a_prompt_could_take_cudnn(monkeypatch):
+    monkeypatch.setattr(ap, "cudnn_usable", lambda: True)
+    assert ap.session_requirement(4096, 32, 8, 128).bytes == cudnn_sdpa.WORKSPACE
+    assert ap.session_requirement(2047, 32, 8, 128).bytes == 0      # no prompt of the model reaches the threshold
 
 
 def test_route_choice():
@@ -183,7 +203,7 @@ def test_route_choice():
     assert not ap.cudnn_takes(4096, 32, 8, 100)               # D not a multiple of 8
     if not ap.cudnn_usable():
         assert ap.choose_route(4096, 32, 8, 128, session_workspace_bytes=ws) == ap.FUSED_MMA_ASYNC
-        assert ap.session_requirement().bytes == 0
+        assert ap.session_requirement(4096, 32, 8, 128).bytes == 0
     assert ap.workspace_requirement(4096, 32, 8, 128) == ap.NONE     # route=None: never cuDNN's session buffer
     assert ap.workspace_requirement(4096, 32, 8, 128, route=ap.CUDNN).bytes == ws
 

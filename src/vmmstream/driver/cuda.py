@@ -80,9 +80,11 @@ class CudaDriver(Driver):
         return self._gran
 
     def mem_get_info(self) -> tuple[int, int]:
-        """The device's free and total bytes. Callable from any thread: a thread that has no current context
-        (a metrics or watcher thread) gets this driver's made current first."""
-        self.make_current()
+        """The device's free and total bytes. Callable from any thread: one with no current context (a metrics or
+        watcher thread) gets this driver's made current first; one that has a context keeps it (and is answered
+        for that context's device)."""
+        if not int(_check("cuCtxGetCurrent", cu.cuCtxGetCurrent())):
+            self.make_current()
         free, total = _check("cuMemGetInfo", cu.cuMemGetInfo())
         return int(free), int(total)
 
