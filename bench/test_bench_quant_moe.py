@@ -118,6 +118,32 @@ def test_bench_qgemv_mxfp4_batch(benchmark, copy_ceiling, batch):
           f"{info['ratio']:.3f} of copy; batch 1 {t1 * 1e6:.2f} us; torch F.linear bf16 {t_lin * 1e6:.2f} us")
 
 
+@pytest.mark.parametrize("kind", ["int4", "mxfp4"])
+@pytest.mark.parametrize("batch,col_tiles", [(16, 1), (16, 2), (32, 1), (32, 2), (32, 4)])
+def test_bench_qgemv_batch_column_tiles(benchmark, copy_ceiling, kind, batch, col_tiles):
+    """The mma route at batch 16 and 32 with 1, 2 or 4 column tiles of 8 per block (``mma_col_tiles``: each group
+    of W decoded once for 8 · tiles columns instead of once per 8), beside torch ``F.linear`` on the dequantized
+    bf16 weight at the same batch. Decides the default (1 until measured)."""
+    torch = _torch()
+    from vmmstream.kernels.matmul.quant import gemv as qgemv
+    from vmmstream.kernels.matmul.quant.formats import dequantize_int4, dequantize_mxfp4
+    _, qw = _quantized(kind)
+    dparts = [nb(torch.from_numpy(np.ascontiguousarray(a)).cuda()) for a in qw]
+    x = torch.randn(batch, H, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(batch, I, device="cuda", dtype=torch.bfloat16)
+    cfg = qgemv.QgemvConfig(route="mma", mma_col_tiles=col_tiles)
+    fn = qgemv.qgemv_int4 if kind == "int4" else qgemv.qgemv_mxfp4
+    t = device_seconds(capture(lambda s: fn(*dparts, nb(x), nb(out), stream=s, config=cfg)), benchmark)
+    wd = torch.from_numpy((dequantize_int4 if kind == "int4" else dequantize_mxfp4)(*qw)).to("cuda", torch.bfloat16)
+    t_lin = device_seconds(capture(lambda s: torch.nn.functional.linear(x, wd)))
+    nbytes = qgemv.bytes_moved(I, H, 1, kind=kind)         # W once: what a step needs to read
+    ceil = copy_ceiling["torch_gbps"]
+    info = record(benchmark, seconds=t, nbytes=nbytes, ceiling_gbps=ceil, ratio=nbytes / t / 1e9 / ceil,
+                  kind=kind, batch=batch, col_tiles=col_tiles, torch_bf16_linear_us=t_lin * 1e6)
+    print(f"\nqgemv {kind} batch {batch}, {col_tiles} column tile(s) a block: {info['device_us']:.2f} us "
+          f"({info['ratio']:.3f} of copy for W once); torch F.linear bf16 {t_lin * 1e6:.2f} us")
+
+
 def _mxfp4_bandwidth(benchmark, copy_ceiling, route, prefetch, stages, row_tiles, pdl, early_y=False, split=None,
                      x_first=None):
     torch = _torch()

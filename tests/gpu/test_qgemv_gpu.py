@@ -257,3 +257,21 @@ def test_qgemv_mma_pdl_reads_x_after_the_kernel_before_it(stream, rng, kind, b):
     else:
         assert_close(got, dequantize_mxfp4(*qw), x, None, qgemv.reference_mxfp4(*qw, x, None))
     assert np.array_equal(got, get(outs[1], stream))
+
+
+@pytest.mark.parametrize("kind", ["int4", "mxfp4"])
+@pytest.mark.parametrize("b,col_tiles", [(16, 2), (27, 4)])
+def test_qgemv_mma_column_tiles_same_bits_as_one_tile(stream, rng, kind, b, col_tiles):
+    """Batch 16 / 27 with 2 / 4 column tiles a block (each group of W decoded once for all of them): every output
+    bit equal to blocks of one tile, so a batch's rows keep the tokens each gets alone."""
+    from numba import cuda
+    x = to_dev(f32_to_bf16(rng.standard_normal((b, H), dtype=np.float32)), stream)
+    qw = _quantized(kind, I, H)
+    fn = qgemv.qgemv_int4 if kind == "int4" else qgemv.qgemv_mxfp4
+    got = {}
+    for ct in (1, col_tiles):
+        out = cuda.device_array((b, I), np.uint16, stream=stream)
+        fn(*(to_dev(a, stream) for a in qw), x, out, stream=stream,
+           config=qgemv.QgemvConfig(route="mma", mma_col_tiles=ct))
+        got[ct] = get(out, stream)
+    assert np.array_equal(got[col_tiles], got[1])

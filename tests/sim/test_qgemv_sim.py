@@ -345,3 +345,41 @@ def test_auto_row_tiles():
     assert got == {14336: 7, 8192: 4, 6144: 3, 4096: 2, 3072: 1, 1024: 1, 28672: 1}
     assert auto_row_tiles(14336, 0) == 1          # the simulator (no SM count)
     assert auto_row_tiles(14336, 100) == 1        # 896 tiles > 7 per SM: more than one wave either way
+
+
+@pytest.mark.parametrize("kind,n,k,b,bias,col_tiles", [
+    ("int4", 20, 640, 16, True, 2),     # 2 column tiles a block, 2 row tiles, bias; 5 groups over 4 warps
+    ("int4", 9, 256, 27, False, 4),     # 4 column tiles a block, the last partial (27 = 3 x 8 + 3), N < 16
+    ("mxfp4", 20, 640, 13, False, 2),   # the second tile partial; both MX scale paths
+])
+def test_qgemv_mma_column_tiles_decode_once_and_give_each_column_its_bits(kind, n, k, b, bias, col_tiles):
+    """``QgemvConfig(mma_col_tiles=c)``: a block multiplies each decoded group of W into c column tiles of 8; every
+    column's output is bit for bit what blocks of one tile give it (so a batch's rows stay the tokens each gets
+    alone), and matches the dequantized reference."""
+    rng = np.random.default_rng(n + k + b)
+    if kind == "int4":
+        qw, x, bb, out = int4_case(n * k + b, n, k, b, bias, np.float16)
+        args, fn, deq = (dev(qw.packed), dev(qw.scales), dev(qw.zeros)), qgemv.qgemv_int4, dequantize_int4(*qw)
+    else:
+        w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        w[2, 32:64] *= 300.0                  # a block scale above 2: the warp's two-fma path
+        qw = quantize_mxfp4(w)
+        x, bb, out = make_x(rng, b, k), None, cuda.device_array((b, n), np.uint16)
+        args, fn, deq = (dev(qw.packed), dev(qw.scales)), qgemv.qgemv_mxfp4, dequantize_mxfp4(*qw)
+    got = {}
+    for ct in (1, col_tiles):
+        out = cuda.to_device(np.full((b, n), 0x7FC0, np.uint16))
+        fn(*args, dev(x), out, bias=None if bb is None else dev(bb),
+           config=qgemv.QgemvConfig(route="mma", mma_col_tiles=ct))
+        got[ct] = out.copy_to_host()
+    assert np.array_equal(got[col_tiles], got[1])
+    check(got[col_tiles], deq, x, bb)
+
+
+def test_qgemv_mma_column_tiles_checked():
+    from vmmstream.kernels.matmul.quant import gemv_mma
+    with pytest.raises(ValueError, match="col_tiles"):
+        gemv_mma.make(0, False, 8, col_tiles=3)
+    with pytest.raises(ValueError, match="col_tiles"):
+        gemv_mma.make(0, False, 8, stages=3, col_tiles=2)
+    assert gemv_mma.bytes_moved(64, 256, 32, col_tiles=4) < gemv_mma.bytes_moved(64, 256, 32)

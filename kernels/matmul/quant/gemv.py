@@ -56,6 +56,8 @@ class QgemvConfig:
                              # chains of 4 (None: there; on an H100 at 7 row tiles 3.7 % faster, docs/bench/HISTORY.md)
     mma_x_first: bool | None = None  # mma route, MXFP4 at batch 1: the first x tile loaded before W (None: in
                              # blocks of 4 or more row tiles without pdl; True with pdl is refused)
+    mma_col_tiles: int = 1   # mma route, batch 9 or more: column tiles of 8 per block (1, 2 or 4): each group of W
+                             # loaded and decoded once for 8 / 16 / 32 columns (not yet measured on a GPU: 1)
     pdl: bool = False        # mma and imma routes: programmatic dependent launch (loads W while the previous
                              # kernel on the stream finishes); only where that kernel does not write these
                              # weights. With route "auto" it applies where a tensor-core route is taken (a simt
@@ -114,7 +116,8 @@ def _launch(name, kind, packed, scales, zeros, x, out, bias, workspace, stream, 
     if route == "mma":
         gemv_mma.launch(kind, packed, scales, zeros, x, out, bias, as_stream(stream), cfg.mma_prefetch,
                         cfg.mma_l2_ahead, stages=cfg.mma_stages, pdl=cfg.pdl, row_tiles=cfg.mma_row_tiles,
-                        early_y=cfg.mma_early_y, split=cfg.mma_split, x_first=cfg.mma_x_first)
+                        early_y=cfg.mma_early_y, split=cfg.mma_split, x_first=cfg.mma_x_first,
+                        col_tiles=cfg.mma_col_tiles)
         return
     gemv_simt.launch(kind, packed, scales, zeros, x, out, bias, as_stream(stream), cfg)
 

@@ -58,8 +58,8 @@ from vmmstream.kernels.base import mma as mh
 from vmmstream.kernels.base.dtypes import dev_bf16_to_f32, dev_f32_to_bf16
 from vmmstream.kernels.base.launch import (SHARED_ALIGN16, cp_async16, cp_async_commit, cp_async_waiter,
     grid_dependency_wait, grid_dependents_launch, launch_pdl, ld4w, ld16_ro, lane_ptr, prefetch_l2, u32_add, u32_mad, u32_pin)
-from vmmstream.kernels.matmul.quant.gemv_mma_steps import (X_EF, XS_WORDS, acc_group, acc_group_mxd, b1_set,
-    group_scales, stage_x, stage_x_mx, stage_x_mx_pre, tile_fac, x_first_words)
+from vmmstream.kernels.matmul.quant.gemv_mma_steps import (X_EF, XS_WORDS, acc_group, acc_group_cols, acc_group_mxd,
+    b1_set, group_scales, stage_x, stage_x_mx, stage_x_mx_pre, tile_fac, x_first_words)
 from vmmstream.kernels.base.workspace import NONE
 from vmmstream.kernels.matmul.quant.formats import INT4, MXFP4
 
@@ -75,7 +75,7 @@ MAX_REGS = 72            # registers per thread: 65,536 per SM / (7 * 128 thread
 @functools.lru_cache(maxsize=None)
 def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ahead: int = 0, probe: bool = False,
          stages: int = 0, row_tiles: int = 1, early_y: bool = False, carveout=None, split: bool = False,
-         x_first: bool = False):
+         x_first: bool = False, col_tiles: int = 1):
     """``ncols``: columns of x staged per block, 1 (B = 1) or 8; ``prefetch``: load the next group's
     chunks before multiplying the current one (False: at the top of each iteration, for comparison);
     ``l2_ahead``: also ``prefetch.global.L2`` the chunks of the group that many iterations ahead (0: none);
@@ -90,17 +90,27 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
     ``split`` (MXFP4, the batch-1 loop): each group's 8 mma steps as two dependency chains of 4 (``launch``
     takes it there by default). ``x_first`` (MXFP4, the batch-1 loop; a launch without ``pdl``): the first x
     tile's loads written before W's (ptxas issues them among W's first loads), held in registers (up to 4
-    chunks of 16 bytes) until it is staged."""
+    chunks of 16 bytes) until it is staged. ``col_tiles`` (B > 1, the register loop with prefetch): column tiles
+    of 8 per block, 1, 2 or 4: each group of W is loaded and decoded once and multiplied into every tile (the
+    grid has ``col_tiles`` times fewer column blocks); each column's sums are those of a block of one tile."""
     MS0, MS1 = mh.SIM_MMA_SCRATCH          # simulator-only scratch (1 x 1 on the GPU)
     QS = mh.SIM_RED_SCRATCH
     is_int4 = kind == INT4
     NC = ncols
+    CT = col_tiles
     CW = XS_WORDS // NC                    # staged words per column: a tile of 2 CW values of K
     CS = CW + (4 if NC > 1 else 0)         # column stride (padded: columns start in different banks)
     TG = 2 * CW // GROUP                   # groups per staged tile: 32 or 4
     TI = TG // W                           # iterations per tile: 8 or 1
     NCH = CW // 4                          # 8-value chunks per column and tile
-    XSN = NC * CS
+    XSN = NC * CT * CS                     # every column tile's staged x
+    CSO = 8 * CS                           # words from one column tile's staging to the next
+    CT4 = 4 * CT                           # accumulators of a lane: 4 per column tile (a constant for the arrays)
+    if CT not in (1, 2, 4):
+        raise ValueError(f"col_tiles must be 1, 2 or 4, got {CT}")
+    if CT > 1 and (NC != COLS or not prefetch or stages > 1 or l2_ahead or probe):
+        raise ValueError("col_tiles > 1 is an option of the batched register loop with prefetch (no cp.async "
+                         "ring, no L2 prefetch, no probe)")
     PF = prefetch
     L2A = l2_ahead
     PROBE = probe
@@ -133,7 +143,8 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
 
     # launch bounds of 7 blocks of 128 threads per SM (72 registers); blocks of several row tiles take that
     # register cap explicitly (896 threads in 1 to 7 blocks)
-    @mh.kernel((NT, max(1, MIN_BLOCKS // RT)), max_registers=MAX_REGS if RT > 1 else None, carveout=carveout)
+    @mh.kernel((NT, max(1, MIN_BLOCKS // RT // (2 * CT - 1))), max_registers=MAX_REGS if RT > 1 else None,
+               carveout=carveout)
     def qgemv_q4_mma(packed, scales, zeros, x, bias, y, n_rows, n_batch, k):
         # packed [N * K/2] u8 (rows of W, flattened); int4: scales, zeros [N * K/128] f16|f32; mxfp4: scales
         # [N * K/32] u8 (E8M0), zeros ignored; x [B, K] bf16; bias [N] bf16; y [B, N] bf16.
@@ -149,7 +160,7 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
             wid = gw % u(W)
             row0 = u32_mad(u32_mad(cuda.blockIdx.x, RT, gw // u(W)), ROWS, 0)
         g, t = lane // u(4), lane % u(4)
-        col0 = u32_mad(cuda.blockIdx.x if NC > 1 else cuda.blockIdx.y, COLS, 0)
+        col0 = u32_mad(cuda.blockIdx.x if NC > 1 else cuda.blockIdx.y, COLS * CT, 0)
         nr1 = u32_add(n_rows, 0xFFFFFFFF)
         ra = min(u32_add(row0, g), nr1)
         rb = min(u32_add(row0, g + u(8)), nr1)
@@ -170,7 +181,13 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
         xr3 = u(4) * ((t + u(3)) & u(3))
         scratch = cuda.shared.array((MSR, MS1), np.float64)
         xs = cuda.shared.array(XSA, np.uint32, alignment=SHARED_ALIGN16)
-        red = cuda.shared.array((RW, 32, 4), np.float32)
+        red = cuda.shared.array((RW, 32, CT4), np.float32)
+        acc = cuda.local.array(CT4, np.float32)      # col_tiles > 1: tile c's sums at 4c .. 4c + 3
+        dcol = cuda.local.array(CT4, np.float32)
+        xw = cuda.local.array(CT4, np.uint32)
+        if CT > 1:
+            for i in range(CT4):
+                acc[i] = float32(0.0)
         qsum = cuda.shared.array(QSR, np.float32)
         mx = cuda.shared.array(2, np.int32)    # MXD: the x tile's scale source (``tile_ef``), two slots alternating
         ring = cuda.shared.array(RING, np.uint32, alignment=SHARED_ALIGN16)
@@ -305,7 +322,7 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
             while it < n_it:
                 if it % u(TI) == u(0):             # stage the next tile of x, permuted into B pairs
                     cuda.syncthreads()             # (the previous tile is no longer read)
-                    stage_x(xs, x, tid, it * u(W * GROUP), ku, col0, n_batch, NC, NCH, CS, NT)
+                    stage_x(xs, x, tid, it * u(W * GROUP), ku, col0, n_batch, NC * CT, NCH, CS, NT)
                     cuda.syncthreads()
                 gi = u32_mad(it, W, wid)
                 if CPA:                            # issue stage it + S - 1, wait for stage it, read it
@@ -339,32 +356,53 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                     prefetch_l2(packed, wb0 + gl * u(64))
                 # groups past K (the clamped reloads) meet staged zeros of x: they add nothing
                 xo = u32_mad(u32_mad(it % u(TI), W, wid), 64, xb)
-                acc0, acc1, acc2, acc3 = acc_group(is_int4, PROBE, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, za, zb, ua, ub,
-                                                    ea, eb, xs, xo, xr0, xr1, xr2, xr3, scratch, acc0, acc1, acc2, acc3)
+                if CT == 1:
+                    acc0, acc1, acc2, acc3 = acc_group(is_int4, PROBE, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, za, zb,
+                                                        ua, ub, ea, eb, xs, xo, xr0, xr1, xr2, xr3, scratch,
+                                                        acc0, acc1, acc2, acc3)
+                else:                              # one decode of the group for every column tile
+                    acc_group_cols(is_int4, CT, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, za, zb, ua, ub, ea, eb,
+                                   xs, xo, u(CSO), xr0, xr1, xr2, xr3, scratch, acc, dcol, xw)
                 it = u32_add(it, 1)
-        red[gw, lane, 0] = acc0
-        red[gw, lane, 1] = acc1
-        red[gw, lane, 2] = acc2
-        red[gw, lane, 3] = acc3
-        cuda.syncthreads()
-        if wid == u(0):                          # warp 0 of each row tile
-            w0 = u(0) if RT == 1 else gw
-            for i in range(4):                   # D: (row g | g + 8) x (col 2t | 2t + 1)
-                v = red[w0, lane, i]
-                for w in range(1, W):
-                    v += red[w0 + u(w), lane, i]
-                row = row0 + g + u(8 * (i // 2))
-                col = col0 + u(2) * t + u(i % 2)
-                if row < u(n_rows) and col < u(n_batch):
-                    if has_bias:
-                        v += dev_bf16_to_f32(bias[row])
-                    y[col, row] = dev_f32_to_bf16(v)
+        if CT == 1:
+            red[gw, lane, 0] = acc0
+            red[gw, lane, 1] = acc1
+            red[gw, lane, 2] = acc2
+            red[gw, lane, 3] = acc3
+            cuda.syncthreads()
+            if wid == u(0):                          # warp 0 of each row tile
+                w0 = u(0) if RT == 1 else gw
+                for i in range(4):                   # D: (row g | g + 8) x (col 2t | 2t + 1)
+                    v = red[w0, lane, i]
+                    for w in range(1, W):
+                        v += red[w0 + u(w), lane, i]
+                    row = row0 + g + u(8 * (i // 2))
+                    col = col0 + u(2) * t + u(i % 2)
+                    if row < u(n_rows) and col < u(n_batch):
+                        if has_bias:
+                            v += dev_bf16_to_f32(bias[row])
+                        y[col, row] = dev_f32_to_bf16(v)
+        else:
+            for i in range(CT4):
+                red[gw, lane, i] = acc[i]
+            cuda.syncthreads()
+            if wid == u(0):
+                for i in range(CT4):                 # D of column tile i // 4, as above
+                    v = red[0, lane, i]
+                    for w in range(1, W):
+                        v += red[u(w), lane, i]
+                    row = row0 + g + u(8 * ((i % 4) // 2))
+                    col = col0 + u(8 * (i // 4)) + u(2) * t + u(i % 2)
+                    if row < u(n_rows) and col < u(n_batch):
+                        if has_bias:
+                            v += dev_bf16_to_f32(bias[row])
+                        y[col, row] = dev_f32_to_bf16(v)
 
     return qgemv_q4_mma
 
 
 def launch(kind, packed, scales, zeros, x, out, bias, stream, prefetch=True, l2_ahead=0, probe=False, stages=0,
-           pdl=False, row_tiles=0, early_y=False, split=None, x_first=None):
+           pdl=False, row_tiles=0, early_y=False, split=None, x_first=None, col_tiles=1):
     """Shapes checked by ``qgemv._launch``; x, out 2-D; ``zeros`` None for MXFP4; ``l2_ahead`` and ``probe``
     as in ``make`` (the sweep's measurements). ``pdl``: programmatic dependent launch (``launch_pdl``): the
     kernel loads its first groups of W while the kernel before it on the stream finishes, and reads x, bias
@@ -372,7 +410,8 @@ def launch(kind, packed, scales, zeros, x, out, bias, stream, prefetch=True, l2_
     ``row_tiles``: 16-row tiles per block at batch 1 (1 to 7; 0: ``auto_row_tiles`` for this device);
     ``early_y``, ``split``, ``x_first``: as in ``make``; ``split`` None: where it applies (MXFP4 at batch 1 in
     the register loop), ``x_first`` None: there too, in blocks of 4 or more row tiles (a thread holds one chunk
-    of x; with fewer it holds up to four, and ptxas spills) and without ``pdl``."""
+    of x; with fewer it holds up to four, and ptxas spills) and without ``pdl``. ``col_tiles``: at batch 9 or
+    more, column tiles of 8 per block (1, 2 or 4; ``make``); batch 8 or less takes 1."""
     n, b, k = packed.shape[0], x.shape[0], 2 * packed.shape[1]
     if k % GROUP:
         raise ValueError(f"the mma route takes K in multiples of {GROUP}, got {k}")
@@ -400,14 +439,17 @@ def launch(kind, packed, scales, zeros, x, out, bias, stream, prefetch=True, l2_
     if x_first and not (mxd and not pdl):
         raise ValueError("x_first takes MXFP4 at batch 1 with prefetch, no cp.async ring, no L2 prefetch and "
                          "no pdl (it reads x before W)")
+    if col_tiles not in (1, 2, 4):
+        raise ValueError(f"col_tiles must be 1, 2 or 4, got {col_tiles!r}")
+    ct = col_tiles if b > COLS else 1
     kern = make(kind, bias is not None, 1 if b == 1 else COLS, bool(prefetch), int(l2_ahead), bool(probe), int(stages),
-                int(row_tiles), bool(early_y), split=bool(split), x_first=bool(x_first))
+                int(row_tiles), bool(early_y), split=bool(split), x_first=bool(x_first), col_tiles=ct)
     flat = [a.reshape(a.shape[0] * a.shape[1]) for a in (packed, scales, scales if zeros is None else zeros)]
     args = (*flat, x, x if bias is None else bias, out, n, b, k)
     tiles = -(-n // (ROWS * row_tiles))
     if b > 1 and tiles > 65535:
         raise ValueError(f"qgemv mma route, batch {b}: {n} rows are more than 65,535 row tiles of {ROWS}")
-    grid = (tiles, 1) if b == 1 else (-(-b // COLS), tiles)
+    grid = (tiles, 1) if b == 1 else (-(-b // (COLS * ct)), tiles)
     threads = mh.THREADS * row_tiles
     if pdl:
         launch_pdl(kern, grid, threads, stream, args)
@@ -446,10 +488,11 @@ def workspace_requirement(n: int, k: int, batch: int = 1):
     return NONE
 
 
-def bytes_moved(n: int, k: int, batch: int = 1, *, scale_itemsize: int = 2, bias: bool = False) -> int:
-    """HBM bytes: packed W, scales and zeros once per column tile of 8, x, bf16 out, bias."""
+def bytes_moved(n: int, k: int, batch: int = 1, *, scale_itemsize: int = 2, bias: bool = False,
+                col_tiles: int = 1) -> int:
+    """HBM bytes: packed W, scales and zeros once per block column (``col_tiles`` tiles of 8), x, bf16 out, bias."""
     w = n * k // 2 + 2 * n * (k // GROUP) * scale_itemsize
-    return w * -(-batch // COLS) + 2 * batch * k + 2 * batch * n + (2 * n if bias else 0)
+    return w * -(-batch // (COLS * col_tiles)) + 2 * batch * k + 2 * batch * n + (2 * n if bias else 0)
 
 
 def flops(n: int, k: int, batch: int = 1) -> int:
@@ -468,6 +511,8 @@ def _signatures():
              for st, hb, nc in (("float16", False, 1), ("float16", True, 1), ("float32", False, 1), ("float16", False, COLS))]
             + [(make(MXFP4, hb, nc, split=nc == 1).py_func, _sig("uint8", hb))
                for hb, nc in ((False, 1), (True, 1), (False, COLS))]
+            + [(make(INT4, True, COLS, col_tiles=4).py_func, _sig("float16", True)),   # one decode, 4 column tiles
+               (make(MXFP4, False, COLS, col_tiles=2).py_func, _sig("uint8", False))]
             + [(make(INT4, False, 1, row_tiles=2).py_func, _sig("float16", False)),      # blocks of several row
                (make(MXFP4, False, 1, row_tiles=7, split=True, x_first=True).py_func,    # tiles (auto_row_tiles)
                 _sig("uint8", False))])

@@ -327,3 +327,68 @@ def b1_set(is_int4, packed, scales, qa, qb, qsa, qsb, psa, psb, pza, pzb, gi):
     b0, b1, b2, b3 = ld16_at(packed, ptr_add(qb, gi, 64))
     za, zb, ua, ub, ea, eb = b1_scales(is_int4, psa, psb, pza, pzb, scales, qsa, qsb, gi)
     return a0, a1, a2, a3, b0, b1, b2, b3, za, zb, ua, ub, ea, eb
+
+
+@cuda.jit(device=True, inline="always")
+def group_mma_cols(is_int4, two, CT, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, ca, cb, c2a, c2b, xs, xo0, xo1, xo2,
+                   xo3, cso, scratch, d, xw):
+    """``group_mma`` over ``CT`` column tiles of 8 at once (``cso`` words apart in ``xs``): each pair of W values
+    is decoded once and multiplied into every tile's D (``d[4c .. 4c + 3]``); ``xw``: 4 CT words of scratch
+    registers for the tiles' staged x. Each tile's D is what ``group_mma`` gives for that tile alone."""
+    for i in range(4 * CT):
+        d[i] = float32(0.0)
+    for om in range(4):
+        wa = a0w if om == 0 else a1w if om == 1 else a2w if om == 2 else a3w
+        wb = b0w if om == 0 else b1w if om == 1 else b2w if om == 2 else b3w
+        xo = xo0 if om == 0 else xo1 if om == 1 else xo2 if om == 2 else xo3
+        for c in range(CT):
+            xw[4 * c], xw[4 * c + 1], xw[4 * c + 2], xw[4 * c + 3] = ld4w(xs, xo + uint32(c) * cso)
+        for h in range(2):
+            if is_int4:
+                p0 = q4_pair(wa, 8 * h, ca)
+                p2 = q4_pair(wa, 8 * h + 4, ca)
+                p1 = q4_pair(wb, 8 * h, cb)
+                p3 = q4_pair(wb, 8 * h + 4, cb)
+            else:
+                p0 = mx_pair(wa, 8 * h, ca, c2a, two, False)
+                p2 = mx_pair(wa, 8 * h + 4, ca, c2a, two, False)
+                p1 = mx_pair(wb, 8 * h, cb, c2b, two, False)
+                p3 = mx_pair(wb, 8 * h + 4, cb, c2b, two, False)
+            for c in range(CT):
+                d[4 * c], d[4 * c + 1], d[4 * c + 2], d[4 * c + 3] = mh.mma_bf16_16816(
+                    p0, p1, p2, p3, xw[4 * c + 2 * h], xw[4 * c + 2 * h + 1],
+                    d[4 * c], d[4 * c + 1], d[4 * c + 2], d[4 * c + 3], scratch)
+
+
+@cuda.jit(device=True, inline="always")
+def acc_group_cols(is_int4, CT, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, za, zb, ua, ub, ea, eb,
+                   xs, xo, cso, xr0, xr1, xr2, xr3, scratch, acc, d, xw):
+    """``acc_group`` over ``CT`` column tiles: ``acc[4c .. 4c + 3]`` takes tile c's sums, with the same
+    constants and in the same order as ``acc_group`` gives each tile alone."""
+    u = uint32
+    xo0, xo1, xo2, xo3 = u32_add(xo, xr0), u32_add(xo, xr1), u32_add(xo, xr2), u32_add(xo, xr3)
+    if is_int4:
+        ca = mh.pack_bf16x2(-(za + float32(128.0)), -(za + float32(128.0)))
+        cb = mh.pack_bf16x2(-(zb + float32(128.0)), -(zb + float32(128.0)))
+        group_mma_cols(True, False, CT, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, ca, cb, ca, cb,
+                       xs, xo0, xo1, xo2, xo3, cso, scratch, d, xw)
+        for c in range(CT):
+            acc[4 * c] += d[4 * c] * ua
+            acc[4 * c + 1] += d[4 * c + 1] * ua
+            acc[4 * c + 2] += d[4 * c + 2] * ub
+            acc[4 * c + 3] += d[4 * c + 3] * ub
+    else:
+        if warp_any(ea > u(128) or eb > u(128)):
+            sa2 = u(0x40) if ea == u(0) else ea << u(7)
+            sb2 = u(0x40) if eb == u(0) else eb << u(7)
+            group_mma_cols(False, True, CT, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w,
+                           u(0x7E807E80), u(0x7E807E80), sa2 | (sa2 << u(16)), sb2 | (sb2 << u(16)),
+                           xs, xo0, xo1, xo2, xo3, cso, scratch, d, xw)
+        else:
+            sa1 = (ea + u(126)) << u(7)
+            sb1 = (eb + u(126)) << u(7)
+            group_mma_cols(False, False, CT, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w,
+                           sa1 | (sa1 << u(16)), sb1 | (sb1 << u(16)), u(0), u(0),
+                           xs, xo0, xo1, xo2, xo3, cso, scratch, d, xw)
+        for i in range(4 * CT):
+            acc[i] += d[i]
