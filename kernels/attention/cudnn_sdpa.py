@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 
-from vmmstream.kernels.base.launch import data_ptr
+from vmmstream.kernels.base.launch import data_ptr, stream_handle as _stream_handle
 from vmmstream.kernels.base.workspace import Lifetime, WorkspaceRequirement
 
 CAPTURE_SAFE = True       # once a shape's graph exists: no allocation, no synchronize (checked by a captured replay)
@@ -147,16 +147,6 @@ def _capturing(stream_handle: int) -> bool:
     from cuda.bindings import driver as cu
     err, status = cu.cuStreamIsCapturing(stream_handle)
     return err != cu.CUresult.CUDA_SUCCESS or status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
-
-
-def _stream_handle(stream) -> int:
-    if stream is None or stream == 0:
-        return 0
-    h = getattr(stream, "cuda_stream", None)
-    if h is None:
-        h = getattr(stream, "handle", stream)
-        h = getattr(h, "value", h)
-    return int(h or 0)
 
 
 def launch(q, k, v, out, workspace, *, start_pos: int, scale: float, stream=None) -> None:

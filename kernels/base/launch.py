@@ -75,6 +75,18 @@ def as_stream(stream):
     return stream
 
 
+def stream_handle(stream) -> int:
+    """The CUstream handle (an int) of a Numba stream, a torch stream, an int or None (0: the default stream), for
+    libraries that take one (cuBLASLt, cuDNN)."""
+    if stream is None or stream == 0:
+        return 0
+    h = getattr(stream, "cuda_stream", None)
+    if h is None:
+        h = getattr(stream, "handle", stream)
+        h = getattr(h, "value", h)
+    return int(h or 0)
+
+
 def data_ptr(a) -> int:
     cai = getattr(a, "__cuda_array_interface__", None)
     if cai is not None:

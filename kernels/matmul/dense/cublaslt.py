@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-from vmmstream.kernels.base.launch import data_ptr
+from vmmstream.kernels.base.launch import data_ptr, stream_handle as _stream_handle
 from vmmstream.kernels.base.workspace import Lifetime, WorkspaceRequirement
 
 CAPTURE_SAFE = True       # no allocation, no synchronize once a shape's plan exists (made on first, eager, use)
@@ -119,16 +119,6 @@ class _Plan:
 
 
 _ALPHA, _BETA = np.ones(1, np.float32), np.zeros(1, np.float32)
-
-
-def _stream_handle(stream) -> int:
-    if stream is None or stream == 0:
-        return 0
-    h = getattr(stream, "cuda_stream", None)
-    if h is None:
-        h = getattr(stream, "handle", stream)
-        h = getattr(h, "value", h)
-    return int(h or 0)
 
 
 def _rows_packed(a) -> bool:

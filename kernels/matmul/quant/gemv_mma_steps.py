@@ -47,6 +47,23 @@ def q4_pair(w, s, c):
 
 
 @cuda.jit(device=True, inline="always")
+def a_pairs(is_int4, two, raw, wa, wb, h, ca, cb, c2a, c2b):
+    """The A fragment of k-step ``h`` of a chunk word: rows g (``wa``) and g + 8 (``wb``), pairs (2h, 2h + 4) and
+    (2h + 1, 2h + 5) decoded to bf16 pairs with the rows' constants: (a0, a1, a2, a3)."""
+    if is_int4:                          # (in this order: the instruction order of the measured kernels)
+        p0 = q4_pair(wa, 8 * h, ca)
+        p2 = q4_pair(wa, 8 * h + 4, ca)
+        p1 = q4_pair(wb, 8 * h, cb)
+        p3 = q4_pair(wb, 8 * h + 4, cb)
+    else:
+        p0 = mx_pair(wa, 8 * h, ca, c2a, two, raw)
+        p2 = mx_pair(wa, 8 * h + 4, ca, c2a, two, raw)
+        p1 = mx_pair(wb, 8 * h, cb, c2b, two, raw)
+        p3 = mx_pair(wb, 8 * h + 4, cb, c2b, two, raw)
+    return p0, p1, p2, p3
+
+
+@cuda.jit(device=True, inline="always")
 def group_mma(is_int4, two, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, ca, cb, c2a, c2b, xs, xo0, xo1, xo2, xo3, scratch,
            raw=False, split=False):
     """The 8 mma steps of one group: words a*w (row g) and b*w (row g + 8) of the lane's chunk, their
@@ -63,16 +80,7 @@ def group_mma(is_int4, two, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, ca, cb, c2a,
         for h in range(2):                    # k-step: pairs (2h, 2h + 4) -> a0, b0; (2h + 1, 2h + 5) -> a2, b1
             x0 = xq0 if h == 0 else xq2
             x1 = xq1 if h == 0 else xq3
-            if is_int4:
-                p0 = q4_pair(wa, 8 * h, ca)
-                p2 = q4_pair(wa, 8 * h + 4, ca)
-                p1 = q4_pair(wb, 8 * h, cb)
-                p3 = q4_pair(wb, 8 * h + 4, cb)
-            else:
-                p0 = mx_pair(wa, 8 * h, ca, c2a, two, raw)
-                p2 = mx_pair(wa, 8 * h + 4, ca, c2a, two, raw)
-                p1 = mx_pair(wb, 8 * h, cb, c2b, two, raw)
-                p3 = mx_pair(wb, 8 * h + 4, cb, c2b, two, raw)
+            p0, p1, p2, p3 = a_pairs(is_int4, two, raw, wa, wb, h, ca, cb, c2a, c2b)
             if split and h == 1:
                 e0, e1, e2, e3 = mh.mma_bf16_16816(p0, p1, p2, p3, x0, x1, e0, e1, e2, e3, scratch)
             else:
@@ -344,16 +352,7 @@ def group_mma_cols(is_int4, two, CT, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, ca,
         for c in range(CT):
             xw[4 * c], xw[4 * c + 1], xw[4 * c + 2], xw[4 * c + 3] = ld4w(xs, xo + uint32(c) * cso)
         for h in range(2):
-            if is_int4:
-                p0 = q4_pair(wa, 8 * h, ca)
-                p2 = q4_pair(wa, 8 * h + 4, ca)
-                p1 = q4_pair(wb, 8 * h, cb)
-                p3 = q4_pair(wb, 8 * h + 4, cb)
-            else:
-                p0 = mx_pair(wa, 8 * h, ca, c2a, two, False)
-                p2 = mx_pair(wa, 8 * h + 4, ca, c2a, two, False)
-                p1 = mx_pair(wb, 8 * h, cb, c2b, two, False)
-                p3 = mx_pair(wb, 8 * h + 4, cb, c2b, two, False)
+            p0, p1, p2, p3 = a_pairs(is_int4, two, False, wa, wb, h, ca, cb, c2a, c2b)
             for c in range(CT):
                 d[4 * c], d[4 * c + 1], d[4 * c + 2], d[4 * c + 3] = mh.mma_bf16_16816(
                     p0, p1, p2, p3, xw[4 * c + 2 * h], xw[4 * c + 2 * h + 1],
