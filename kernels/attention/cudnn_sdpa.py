@@ -100,6 +100,18 @@ def join_prewarm(timeout: float = 60.0) -> None:
         t.join(timeout)
 
 
+def installed() -> bool:
+    """Whether the frontend package is there, without loading it (nor libcudnn): planning asks this, so that
+    loading cuDNN is left to ``prewarm``'s thread."""
+    if "lib" in _state:
+        return _state["lib"] is not None
+    import importlib.util
+    try:
+        return importlib.util.find_spec("cudnn") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def available() -> bool:
     return _lib() is not None
 

@@ -109,10 +109,19 @@ def cudnn_takes(T, Hq, Hkv, D, start_pos=0) -> bool:
     return T >= CUDNN_MIN_QUERIES and pairs >= CUDNN_MIN_PAIRS and D % 8 == 0 and D <= 256 and Hq % Hkv == 0
 
 
+def cudnn_wanted() -> bool:
+    """Asked for (``VMMSTREAM_CUDNN=1``) and installed, found without loading cuDNN (``cudnn_usable`` loads it)."""
+    if la.SIM or not PREFER_CUDNN:
+        return False
+    from vmmstream.kernels.attention import cudnn_sdpa
+    return cudnn_sdpa.installed()
+
+
 def session_requirement(max_context, Hq, Hkv, D):
     """The session workspace the cuDNN route draws for a model of these shapes (``NONE`` where no prompt of up to
-    ``max_context`` tokens would take it, or it is not usable; cuDNN is not even loaded then)."""
-    if not (cudnn_takes(max_context, Hq, Hkv, D) and cudnn_usable()):
+    ``max_context`` tokens would take it, or it is not wanted). Does not load cuDNN: a model's load starts it on a
+    thread of its own (``cudnn_sdpa.prewarm``)."""
+    if not (cudnn_takes(max_context, Hq, Hkv, D) and cudnn_wanted()):
         return NONE
     from vmmstream.kernels.attention import cudnn_sdpa
     return cudnn_sdpa.workspace_requirement()

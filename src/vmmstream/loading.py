@@ -200,7 +200,7 @@ class Placement:
         if ops.backend == "cuda" and plan.max_context >= 2048:     # long prompts' attention may take cuDNN:
             from vmmstream.kernels.attention import prefill       # start it while the weights upload
             if prefill.cudnn_takes(plan.max_context, c.num_attention_heads, c.num_key_value_heads, c.head_dim) \
-                    and prefill.PREFER_CUDNN and not prefill.la.SIM:
+                    and prefill.cudnn_wanted():
                 from vmmstream.kernels.attention import cudnn_sdpa
                 cudnn_sdpa.prewarm(c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                                    getattr(ops.driver, "make_current", None))

@@ -189,7 +189,9 @@ def test_an_operand_past_2_31_elements_is_refused(fake):
 
 
 def test_route_session_requirement_only_where_a_prompt_could_take_cudnn(monkeypatch):
-    monkeypatch.setattr(ap, "cudnn_usable", lambda: True)
+    """Planned where a prompt of the model could take cuDNN and it is wanted; deciding that does not load it."""
+    monkeypatch.setattr(ap, "cudnn_wanted", lambda: True)
+    monkeypatch.setattr(cudnn_sdpa, "_lib", lambda: pytest.fail("planning loaded cuDNN"))
     assert ap.session_requirement(4096, 32, 8, 128).bytes == cudnn_sdpa.WORKSPACE
     assert ap.session_requirement(2047, 32, 8, 128).bytes == 0      # no prompt of the model reaches the threshold
 
@@ -203,6 +205,7 @@ def test_route_choice():
     assert not ap.cudnn_takes(4096, 32, 8, 100)               # D not a multiple of 8
     if not ap.cudnn_usable():
         assert ap.choose_route(4096, 32, 8, 128, session_workspace_bytes=ws) == ap.FUSED_MMA_ASYNC
+    if not ap.cudnn_wanted():       # off by default, and not installed here
         assert ap.session_requirement(4096, 32, 8, 128).bytes == 0
     assert ap.workspace_requirement(4096, 32, 8, 128) == ap.NONE     # route=None: never cuDNN's session buffer
     assert ap.workspace_requirement(4096, 32, 8, 128, route=ap.CUDNN).bytes == ws
@@ -232,3 +235,14 @@ def test_prewarm_starts_cudnn_once_on_its_own_thread(fake):
     cudnn_sdpa._state.pop("prewarm")
     cudnn_sdpa.prewarm(8, 2, 64).join(5)
     assert "no engine" in cudnn_sdpa._state["prewarm_error"]
+
+
+def test_installed_is_answered_without_loading(monkeypatch):
+    import importlib.util
+    monkeypatch.setattr(cudnn_sdpa, "_state", {})
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "cudnn" else None)
+    assert cudnn_sdpa.installed() and "lib" not in cudnn_sdpa._state       # found, nothing loaded
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert not cudnn_sdpa.installed()
+    monkeypatch.setattr(cudnn_sdpa, "_state", {"lib": None, "error": "no libcudnn"})
+    assert not cudnn_sdpa.installed()                                       # tried and failed: not offered again
