@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 
 from vmmstream.kernels.base.launch import data_ptr, stream_handle as _stream_handle
-from vmmstream.kernels.base.workspace import Lifetime, WorkspaceRequirement
+from vmmstream.kernels.base.workspace import Lifetime, WorkspaceRequirement, check_view
 
 CAPTURE_SAFE = True       # once a shape's graph exists: no allocation, no synchronize (checked by a captured replay)
 WORKSPACE = 1 << 20       # cuDNN asked for 256 bytes at every shape measured; the rest is headroom
@@ -174,8 +174,7 @@ def launch(q, k, v, out, workspace, *, start_pos: int, scale: float, stream=None
     T, hq, d = q.shape
     hkv = k.shape[1]
     n_keys = start_pos + T
-    if workspace is None or workspace.shape[0] * workspace.dtype.itemsize < WORKSPACE:
-        raise ValueError(f"the cuDNN route needs a workspace of {WORKSPACE} bytes")
+    check_view("attention_prefill[cudnn]", 0 if workspace is None else workspace.nbytes, WORKSPACE)
     if any(data_ptr(a) % 16 for a in (q, k, v, out)):
         raise Unsupported("the cuDNN route takes 16-byte aligned operands")
     st = [_strides(a) for a in (q, k, v, out)]

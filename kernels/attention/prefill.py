@@ -735,7 +735,7 @@ def launch(q, k, v, out, workspace, *, start_pos=0, scale=None, route=None, stre
     route = route or choose_route(T, Hq, Hkv, D, start_pos=start_pos, session_workspace_bytes=sw)
     if route == CUDNN:
         from vmmstream.kernels.attention import cudnn_sdpa
-        if T == 0:
+        if T == 0:                  # nothing to attend (our routes, too, check their views and launch nothing)
             return
         try:
             cudnn_sdpa.launch(q, k, v, out, session_workspace, start_pos=start_pos, scale=scale, stream=stream)

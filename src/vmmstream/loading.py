@@ -197,11 +197,10 @@ class Placement:
         """Allocate and fill: weights (uploaded on ``copy_stream``), KV cache, activations for ``tmax`` tokens,
         the session workspace. The plan's leases must have been granted (``admit``)."""
         mem, c = self.memory, checkpoint.config
-        if ops.backend == "cuda" and plan.max_context >= 2048:     # long prompts' attention may take cuDNN:
-            from vmmstream.kernels.attention import prefill       # start it while the weights upload
-            if prefill.cudnn_takes(plan.max_context, c.num_attention_heads, c.num_key_value_heads, c.head_dim) \
-                    and prefill.cudnn_wanted():
-                from vmmstream.kernels.attention import cudnn_sdpa
+        if ops.backend == "cuda":       # where long prompts' attention may take cuDNN (its workspace is planned),
+            from vmmstream.kernels.attention import cudnn_sdpa, prefill       # start it while the weights upload
+            if prefill.session_requirement(plan.max_context, c.num_attention_heads, c.num_key_value_heads,
+                                           c.head_dim).bytes:
                 cudnn_sdpa.prewarm(c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                                    getattr(ops.driver, "make_current", None))
         self.weights = Weights(mem, ops, plan, checkpoint, self.holder, copy_stream, progress=progress)

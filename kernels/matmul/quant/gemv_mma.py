@@ -364,6 +364,8 @@ def make(kind: int, has_bias: bool, ncols: int = 1, prefetch: bool = True, l2_ah
                     acc_group_cols(is_int4, CT, a0w, a1w, a2w, a3w, b0w, b1w, b2w, b3w, za, zb, ua, ub, ea, eb,
                                    xs, xo, u(CSO), xr0, xr1, xr2, xr3, scratch, acc, dcol, xw)
                 it = u32_add(it, 1)
+        # the one-tile reduction is kept as written for the measured kernels (a loop shared with the several-tile
+        # one below compiles to other PTX for them); the two differ only in the column tile of i // 4
         if CT == 1:
             red[gw, lane, 0] = acc0
             red[gw, lane, 1] = acc1
