@@ -18,10 +18,11 @@ keeps our kernels). Everything a call needs is fixed before any capture:
   flight); a call made while the stream is being captured never builds one, nor starts cuDNN (``Unsupported``:
   the caller runs our kernel instead).
 
-The first graph of a process costs about 1.2 s (cuDNN loading its engines). Built as static graphs, every new
-shape after it cost 40-70 ms more (an H100, run 12-07 k), paid by the first prompt of that length (or chunk); so
-graphs are built with dynamic shapes on one kernel cache (cuDNN 9.5+), and a new length reuses the kernel compiled
-for an earlier one. The route is taken only from 2,048 tokens' worth of work. ``prewarm`` pays the first on a thread while a model's weights
+The first graph of a process costs about 1.2 s (cuDNN loading its engines), every new shape after it 40-70 ms
+(an H100, run 12-07 k), paid by the first prompt of that length (or chunk): a cost to amortize, the reason the
+route is taken only from 2,048 tokens' worth of work. cuDNN's dynamic-shape graphs on one kernel cache would remove
+it, but they computed wrong attention on our strided operands (and read out of bounds) on an H100 with cuDNN 9.19
+(run 12-07 l), so every graph here is static. ``prewarm`` pays the first on a thread while a model's weights
 upload. cuDNN's own device memory (its handle, the engines' modules) is outside the governed pool, like every
 kernel module's.
 """
@@ -59,10 +60,6 @@ def _lib():
                 if cudnn.backend_version() < 90000:
                     raise RuntimeError(f"cuDNN {cudnn.backend_version()} is older than 9.0")
                 _state["handle"] = cudnn.create_handle()
-                # one kernel cache for every shape's graph: a new prompt length binds the kernel compiled for an
-                # earlier one instead of compiling its own (dynamic-shape graphs, cuDNN 9.5 and later)
-                if cudnn.backend_version() >= 90500 and hasattr(cudnn, "create_kernel_cache"):
-                    _state["kernel_cache"] = cudnn.create_kernel_cache()
                 _state["lib"], _state["graphs"] = cudnn, {}
             except Exception as e:          # not installed, no libcudnn, no GPU: the caller falls back
                 _state["lib"], _state["error"] = None, f"{type(e).__name__}: {e}"
@@ -130,27 +127,9 @@ class _Graph:
 
     def __init__(self, cudnn, handle, T, n_keys, hq, hkv, d, scale, sq, sk, sv, so):
         """``sq`` .. ``so``: the (row, head) strides in elements of q, k, v and out (their last axis packed). A
-        model's cache is position-major over all layers, so a layer's K rows are far apart: read as they are.
-        Built as a dynamic-shape graph on the shared kernel cache where there is one; a build refused that way is
-        tried as a static graph, and where that one builds, the kernel cache is left alone for the rest of the process
-        (``kernel_cache_error`` says why)."""
-        args = (cudnn, handle, T, n_keys, hq, hkv, d, scale, sq, sk, sv, so)
-        kc = _state.get("kernel_cache")
-        self.cached = kc is not None
-        if kc is None:
-            self._build(*args)
-            return
-        try:
-            self._build(*args, kernel_cache=kc, is_dynamic_shape_enabled=True)
-        except Exception as e:  # noqa: BLE001  (a static graph may still be built)
-            self._build(*args)        # raises where the shape itself is refused: the cache stays
-            self.cached = False       # only the dynamic build was refused: static graphs from here on
-            _state["kernel_cache"], _state["kernel_cache_error"] = None, f"{type(e).__name__}: {e}"
-
-    def _build(self, cudnn, handle, T, n_keys, hq, hkv, d, scale, sq, sk, sv, so, **graph_kw):
+        model's cache is position-major over all layers, so a layer's K rows are far apart: read as they are."""
         bf, f32 = cudnn.data_type.BFLOAT16, cudnn.data_type.FLOAT
-        g = cudnn.pygraph(io_data_type=bf, intermediate_data_type=f32, compute_data_type=f32, handle=handle,
-                          **graph_kw)
+        g = cudnn.pygraph(io_data_type=bf, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
 
         def desc(name, rows, heads, st):     # [1, H, rows, D] over our [rows, H, D]; the batch stride is unused
             return g.tensor(name=name, dim=[1, heads, rows, d], stride=[rows * st[0], st[1], st[0], 1],

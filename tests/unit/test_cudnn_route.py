@@ -41,7 +41,6 @@ class FakeCudnn:
 
     def __init__(self):
         self.graphs, self.runs, self.streams, self.fail, self.ws = [], [], [], False, 256
-        self.fail_dynamic = False       # build refuses dynamic-shape graphs only
         self.data_type = types.SimpleNamespace(BFLOAT16="bf16", FLOAT="f32")
         self.diagonal_alignment = types.SimpleNamespace(BOTTOM_RIGHT="bottom_right", TOP_LEFT="top_left")
         self.heur_mode = types.SimpleNamespace(A="A", FALLBACK="FALLBACK")
@@ -62,8 +61,6 @@ class FakeCudnn:
                 return self.tensors["o"], None
 
             def build(self, modes):
-                if fake.fail_dynamic and self.kw.get("is_dynamic_shape_enabled"):
-                    raise RuntimeError("cudnnGraphNotSupportedError: no dynamic-shape engine")
                 if fake.fail:
                     raise RuntimeError("cudnnGraphNotSupportedError: no engine")
 
@@ -167,31 +164,6 @@ def test_a_refused_shape_is_remembered_and_raises_before_any_work(fake):
     assert fake.runs == []
     with pytest.raises(ValueError, match="workspace"):      # a short view: the caller's error, not a fallback
         cudnn_sdpa.launch(q, k, v, out, ws[:-1], start_pos=0, scale=0.1, stream=None)
-
-
-def test_graphs_share_one_kernel_cache_and_a_refused_dynamic_build_falls_back_to_static(fake):
-    """Every shape's graph is a dynamic-shape graph on the one kernel cache (a new prompt length reuses the kernel
-    compiled for an earlier one); where cuDNN refuses a dynamic build, the shape is built static and the cache is
-    dropped for the process; a shape refused both ways leaves the cache in place."""
-    fake.kernel_cache = object()
-    cudnn_sdpa._state["kernel_cache"] = fake.kernel_cache
-    q, k, v, out, ws = arrays(16, 4, 1, 64, 64)
-    for sp in (0, 8):
-        cudnn_sdpa.launch(q, k, v, out, ws, start_pos=sp, scale=0.1, stream=None)
-    assert [g.kw.get("kernel_cache") for g in fake.graphs] == [fake.kernel_cache] * 2
-    assert all(g.kw.get("is_dynamic_shape_enabled") for g in fake.graphs)
-    fake.fail = True                     # refused as dynamic and as static: an unsupported shape, cache kept
-    with pytest.raises(cudnn_sdpa.Unsupported, match="no engine"):
-        cudnn_sdpa.launch(q, k, v, out, ws, start_pos=16, scale=0.1, stream=None)
-    assert cudnn_sdpa._state["kernel_cache"] is fake.kernel_cache
-    fake.fail, fake.fail_dynamic = False, True      # only the dynamic build refused: static, cache dropped
-    cudnn_sdpa.launch(q, k, v, out, ws, start_pos=24, scale=0.1, stream=None)
-    assert "dynamic-shape" in cudnn_sdpa._state["kernel_cache_error"] and cudnn_sdpa._state["kernel_cache"] is None
-    assert "kernel_cache" not in fake.graphs[-1].kw and not fake.graphs[-1].kw.get("is_dynamic_shape_enabled")
-    graph = cudnn_sdpa._state["graphs"][(16, 40, 4, 1, 64, 0.1, (256, 64), (64, 64), (64, 64), (256, 64))]
-    assert graph.cached is False and len(fake.runs) == 3
-    cudnn_sdpa.launch(q, k, v, out, ws, start_pos=32, scale=0.1, stream=None)   # static from here on: one build
-    assert not fake.graphs[-1].kw.get("is_dynamic_shape_enabled") and len(fake.runs) == 4
 
 
 def test_kept_graphs_are_bounded_and_never_destroyed(fake, monkeypatch):
