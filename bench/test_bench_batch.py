@@ -75,9 +75,6 @@ def step_bytes(plan, config, b: int, context: float) -> dict:
 def device_rates():
     """This GPU's device-to-device copy GB/s (read + write) and torch's bf16 matmul TFLOP/s, measured now."""
     import torch
-    n = 256 << 20
-    a, b = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
-    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def timed(f, reps):
@@ -88,11 +85,17 @@ def device_rates():
         e1.record()
         e1.synchronize()
         return e0.elapsed_time(e1) / 1e3 / reps
-    d2d = 2 * n / timed(lambda: b.copy_(a), 20) / 1e9
-    tflops = 2 * 8192 ** 3 / timed(lambda: x @ x, 10) / 1e12
-    del a, b, x
+
+    def copy_gbps(n=256 << 20):
+        src, dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
+        return 2 * n / timed(lambda: dst.copy_(src), 20) / 1e9
+
+    def matmul_tflops(n=8192):
+        x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        return 2 * n ** 3 / timed(lambda: x @ x, 10) / 1e12
+    rates = {"d2d_GBps": copy_gbps(), "matmul_TFLOPs": matmul_tflops()}
     torch.cuda.empty_cache()
-    return {"d2d_GBps": d2d, "matmul_TFLOPs": tflops}
+    return rates
 
 
 def bounds(row: dict, plan, config, h2d_gbps: float, rates: dict | None) -> dict:
