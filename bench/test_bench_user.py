@@ -95,18 +95,26 @@ def load_times(path, budget: str, backend: str, cache_dir, peers: bool) -> dict:
     return out
 
 
-def ttft(m, lengths, rounds: int = 3) -> dict:
-    """Median wall seconds of ``generate(prompt, 1)`` per prompt length (one warm-up call each)."""
+def ttft(m, lengths, rounds: int = 3, routes: dict | None = None) -> dict:
+    """Median wall seconds of ``generate(prompt, 1)`` per prompt length (one warm-up call each); ``routes`` gets,
+    per length, the prefill attention launches of the timed calls by the route that ran, and ``graph`` for the
+    prefills replayed as a captured graph (short prompts: the route is the one captured)."""
     out = {}
     for n in lengths:
         ids = _ids(n, m.config.vocab_size, seed=n)
         m.generate(ids, 1, eos_token_id=[])
+        s0 = m.stats()
+        before = dict(s0["prefill_attention_routes"], graph=s0["prefill_graph_replays"])
         times = []
         for _ in range(rounds):
             t0 = time.perf_counter()
             m.generate(ids, 1, eos_token_id=[])
             times.append(time.perf_counter() - t0)
         out[n] = statistics.median(times)
+        if routes is not None:
+            s1 = m.stats()
+            after = dict(s1["prefill_attention_routes"], graph=s1["prefill_graph_replays"])
+            routes[n] = {r: c - before.get(r, 0) for r, c in after.items() if c > before.get(r, 0)}
     return out
 
 
@@ -177,16 +185,19 @@ def test_bench_user_vmmstream(benchmark, checkpoints, tmp_path_factory, h2d_gbps
     path = _ckpt(checkpoints, tmp_path_factory, model)
     b = BUDGETS[budget] or "80%"
     with vmmstream.load_model(path, budget=b, backend="cuda", max_context=MAX_CONTEXT, progress=False) as m:
-        t = ttft(m, PROMPTS)
+        routes = {}
+        t = ttft(m, PROMPTS, routes=routes)
         a = benchmark.pedantic(lambda: answer(m), rounds=1, iterations=1)
         streamed = m.plan.streamed_bytes_per_token
         strategy = m.plan.strategy
     info = {"model": model, "budget": budget, "strategy": strategy, "pinned_h2d_GBps": h2d_gbps,
-            "streamed_bytes_per_step": streamed, **{f"ttft_{n}_s": v for n, v in t.items()}, **a}
+            "streamed_bytes_per_step": streamed, **{f"ttft_{n}_s": v for n, v in t.items()},
+            **{f"ttft_{n}_attention_routes": r for n, r in routes.items()}, **a}
     if streamed:
         info["ttft_floor_stream_s"] = streamed / (h2d_gbps * 1e9)
     benchmark.extra_info.update(info)
-    print(f"\n{model} {budget}: ttft {', '.join(f'{n}: {v * 1e3:.0f} ms' for n, v in t.items())}; answer "
+    label = {n: "+".join(r) for n, r in routes.items()}
+    print(f"\n{model} {budget}: ttft {', '.join(f'{n}: {v * 1e3:.0f} ms ({label[n]})' for n, v in t.items())}; answer "
           f"{a['wall_tok_s']:.1f} tok/s wall, {a['device_decode_tok_s']:.1f} device ({a['ratio_wall_vs_device']:.2f})"
           + (f"; streamed {streamed / 1e9:.2f} GB a step, H2D {h2d_gbps:.1f} GB/s: "
              f"{1e3 * info['ttft_floor_stream_s']:.1f} ms" if streamed else ""))
@@ -251,7 +262,10 @@ def test_user_bench_smoke_on_the_host_backend(tmp_path):
     out = load_times(path, "64MiB", "host", tmp_path / "kernels", peers=False)
     assert out["cold_load_s"] > 0 and out["warm_kernels_compiled"] == 0
     with vmmstream.load_model(path, budget="64MiB", backend="host", max_context=64, progress=False) as m:
-        t = ttft(m, (4, 16), rounds=1)
+        routes = {}
+        t = ttft(m, (4, 16), rounds=1, routes=routes)
         a = answer(m, prompt=4, new=8)
     assert set(t) == {4, 16} and all(v > 0 for v in t.values())
+    assert set(routes) == {4, 16} and all(set(r) <= {"reference", "graph"} and sum(r.values()) >= 1
+                                          for r in routes.values())
     assert a["wall_tok_s"] > 0

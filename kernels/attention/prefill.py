@@ -723,7 +723,7 @@ def launch(q, k, v, out, workspace, *, start_pos=0, scale=None, route=None, stre
     device arrays). ``workspace``: 1-D uint8 device view sized by ``workspace_requirement`` (None for the
     fused routes). ``session_workspace``: a session-lifetime uint8 view (the same address in every capture) that
     lets ``choose_route`` take cuDNN; with ``route="cudnn"`` it is that route's workspace. Never allocates; a
-    short view raises ``WorkspaceShortfall``."""
+    short view raises ``WorkspaceShortfall``. Returns the route that ran (a refused cuDNN shape: ours)."""
     T, Hq, D = q.shape
     S, Hkv = k.shape[0], k.shape[1]
     n_keys = start_pos + T
@@ -736,10 +736,10 @@ def launch(q, k, v, out, workspace, *, start_pos=0, scale=None, route=None, stre
     if route == CUDNN:
         from vmmstream.kernels.attention import cudnn_sdpa
         if T == 0:                  # nothing to attend (our routes, too, check their views and launch nothing)
-            return
+            return CUDNN
         try:
             cudnn_sdpa.launch(q, k, v, out, session_workspace, start_pos=start_pos, scale=scale, stream=stream)
-            return
+            return CUDNN
         except cudnn_sdpa.Unsupported:
             if asked == CUDNN:
                 raise
@@ -752,14 +752,14 @@ def launch(q, k, v, out, workspace, *, start_pos=0, scale=None, route=None, stre
     group = Hq // Hkv
     stream = la.as_stream(stream)
     if T == 0:
-        return
+        return route
     if route == MATERIALIZED:
         off = lay.offsets["scores"]
         scores = workspace[off:off + lay.sizes["scores"]].view(np.float32).reshape(Hq, T, n_keys)
         grid = ((n_keys + _S_TILE - 1) // _S_TILE, (T + _S_TILE - 1) // _S_TILE, Hq)
         _scores[grid, (_S_TILE, _S_TILE), stream](q, k, scores, start_pos, float32(scale), group)
         _softmax_pv[(T, Hq), _R_THREADS, stream](scores, v, out, start_pos, group)
-        return
+        return route
     if not la.vec8_ok(q, k, v, out):
         raise ValueError(f"route {route!r} needs contiguous, 16-byte aligned q, k, v and out rows")
     if route == FUSED:
@@ -770,6 +770,7 @@ def launch(q, k, v, out, workspace, *, start_pos=0, scale=None, route=None, stre
         grid = ((T + bm - 1) // bm, Hq)
         _kernel(route, D)[grid, bm * 2, stream](
             q.view(np.uint32), k, v, out.view(np.uint32), start_pos, n_keys, float32(scale * LOG2E), group)
+    return route
 
 
 # ----------------------------------------------------------------------------- compile check

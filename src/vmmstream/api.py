@@ -416,6 +416,8 @@ class Model:
             "held": snap["by_holder"].get(self.holder, 0),
             "quantization": self.quantization,
             "conversion": self.conversion,
+            # prefill attention launches by the route that ran ("cudnn", our kernels' names; "reference": host)
+            "prefill_attention_routes": dict(getattr(self.engine.ops, "attn_routes", {})),
         }
         ex = self.weights.experts if self.weights is not None else None
         if ex is not None:

@@ -104,6 +104,11 @@ def test_dense_cuda_step_matches_host(tmp_path, monkeypatch, arch, where):
     sim = run(path, budget, True, monkeypatch)
     assert sim[2].strategy == where
     compare(host, sim)
+    # stats() names the prefill attention route that ran: the host's reference, the CUDA step's chosen kernel
+    from vmmstream.kernels.attention import prefill as ap
+    assert set(host[3]["prefill_attention_routes"]) == {"reference"}
+    assert set(sim[3]["prefill_attention_routes"]) == {ap.choose_route(len(PROMPT), 1, 1, 64)}
+    assert sum(sim[3]["prefill_attention_routes"].values()) == host[3]["prefill_attention_routes"]["reference"] >= 1
 
 
 def test_phi3_cuda_step_matches_host(tmp_path, monkeypatch):

@@ -222,6 +222,19 @@ def test_route_choice_where_cudnn_loads(monkeypatch):
     assert math.isclose(ap.CUDNN_MIN_PAIRS, 2048 * 2049 / 2)
 
 
+def test_prefill_launch_returns_the_route_that_ran(fake, monkeypatch):
+    """``prefill.launch`` says which route ran (``stats()["prefill_attention_routes"]`` counts them): cuDNN for a
+    long prompt with a session workspace, where it takes the shape."""
+    monkeypatch.setattr(ap, "cudnn_usable", lambda: True)
+    q, k, v, out, ws = arrays(2048, 4, 1, 64, 2048)
+    assert ap.launch(q, k, v, out, None, start_pos=0, stream=None, session_workspace=ws) == ap.CUDNN
+    assert len(fake.runs) == 1
+    q0 = q[:0]                                      # no rows: our route named, nothing launched
+    assert ap.launch(q0, k, v, out[:0], None, start_pos=0, stream=None, session_workspace=ws) == ap.choose_route(
+        0, 4, 1, 64) != ap.CUDNN
+    assert len(fake.runs) == 1
+
+
 def test_prewarm_starts_cudnn_once_on_its_own_thread(fake):
     import threading
     seen = []

@@ -15,6 +15,7 @@ Numba is imported here and in the kernel modules only, and only when an adapter 
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import math
 
@@ -45,6 +46,7 @@ class HostOps:
                       sampling=sampling, scalars=scalars)
         self._bf16 = f32_to_bf16
         self.launches = 0
+        self.attn_routes = collections.Counter()     # prefill attention launches by route (``stats()``)
 
     # -- arrays --
     def view(self, va: int, shape, dtype):
@@ -164,6 +166,7 @@ class HostOps:
 
     def attn_prefill(self, s, q, ck, cv, out, ws, start_pos, session=None):
         ref = self.k["attention_prefill"].reference
+        self.attn_routes["reference"] += 1
         self._run(s, lambda: self._store(out, ref(q, ck, cv, start_pos=start_pos)))
 
     def attn_decode(self, s, q, ck, cv, seq_len, out, ws):
@@ -301,6 +304,7 @@ class CudaOps:
                       sampling=sampling, scalars=scalars)
         self._kv_kernel = None
         self.launches = 0
+        self.attn_routes = collections.Counter()     # prefill attention launches by route (``stats()``)
 
     def view(self, va: int, shape, dtype):
         dtype = np.dtype(dtype)
@@ -497,8 +501,9 @@ class CudaOps:
     def attn_prefill(self, s, q, ck, cv, out, ws, start_pos, session=None):
         """``session``: the session workspace, for the cuDNN route (long prompts) where it is planned."""
         self.launches += 1
-        self.k["attention_prefill"].launch(q, ck, cv, out, ws, start_pos=start_pos, stream=self._s(s),
-                                           session_workspace=session)
+        route = self.k["attention_prefill"].launch(q, ck, cv, out, ws, start_pos=start_pos, stream=self._s(s),
+                                                   session_workspace=session)
+        self.attn_routes[route] += 1
 
     def attn_decode(self, s, q, ck, cv, seq_len, out, ws):
         self.launches += 1
