@@ -22,7 +22,10 @@ The first graph of a process costs about 1.2 s (cuDNN loading its engines), ever
 (an H100, run 12-07 k), paid by the first prompt of that length (or chunk): a cost to amortize, the reason the
 route is taken only from 2,048 tokens' worth of work. cuDNN's dynamic-shape graphs on one kernel cache would remove
 it, but they computed wrong attention on our strided operands (and read out of bounds) on an H100 with cuDNN 9.19
-(run 12-07 l), so every graph here is static. ``prewarm`` pays the first on a thread while a model's weights
+(run 12-07 l), so every graph here is static. ``PADDED`` (off until checked on a GPU) builds one static graph per
+length bucket instead (``bucket``: at most 12.5 % more rows), with cuDNN's padding mask reading the call's real
+lengths from the workspace's last bytes; a call takes it only where its caller vouches for the rows past its own
+(``spare_rows`` of q and out, ``spare_keys`` committed in the cache). ``prewarm`` pays the first on a thread while a model's weights
 upload. cuDNN's own device memory (its handle, the engines' modules) is outside the governed pool, like every
 kernel module's.
 """
@@ -36,6 +39,9 @@ from vmmstream.kernels.base.workspace import Lifetime, WorkspaceRequirement, che
 
 CAPTURE_SAFE = True       # once a shape's graph exists: no allocation, no synchronize (checked by a captured replay)
 WORKSPACE = 1 << 20       # cuDNN asked for 256 bytes at every shape measured; the rest is headroom
+_LENS = 256               # the workspace's last bytes: a padded graph's two lengths (int32), set on the stream
+PADDED = False            # one graph per length bucket (``bucket``), cuDNN's padding mask giving the real lengths:
+                          # off until checked on a GPU (exactness, and that rows past the lengths are not used)
 _GRAPHS_MAX = 256         # graphs kept; past that a new shape runs our kernel (a kept graph is never destroyed
                           # while the process runs: one evicted could still have launches in flight)
 _SPAN_MAX = 1 << 31       # elements an operand may span: 32-bit offsets in cuDNN's kernels are not ruled out
@@ -122,12 +128,21 @@ def unavailable_reason() -> str | None:
     return None if available() else _state.get("error")
 
 
-class _Graph:
-    """One shape's built graph and its tensors (q, k, v, o)."""
+def bucket(n: int) -> int:
+    """The rows a padded graph is built for: ``n`` rounded up to an eighth of its power of two (at least 128), so
+    padding adds at most 12.5 % and a bucket serves every length in it."""
+    step = max(128, 1 << max(0, n.bit_length() - 4))
+    return -(-n // step) * step
 
-    def __init__(self, cudnn, handle, T, n_keys, hq, hkv, d, scale, sq, sk, sv, so):
+
+class _Graph:
+    """One shape's built graph and its tensors (q, k, v, o; with ``padded``, the lengths sl_q and sl_kv)."""
+
+    def __init__(self, cudnn, handle, T, n_keys, hq, hkv, d, scale, sq, sk, sv, so, padded=False):
         """``sq`` .. ``so``: the (row, head) strides in elements of q, k, v and out (their last axis packed). A
-        model's cache is position-major over all layers, so a layer's K rows are far apart: read as they are."""
+        model's cache is position-major over all layers, so a layer's K rows are far apart: read as they are.
+        ``padded``: T and n_keys are a bucket's; the real lengths are read from device memory at each run (the
+        padding mask), the bottom-right diagonal aligned to them."""
         bf, f32 = cudnn.data_type.BFLOAT16, cudnn.data_type.FLOAT
         g = cudnn.pygraph(io_data_type=bf, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
 
@@ -135,17 +150,32 @@ class _Graph:
             return g.tensor(name=name, dim=[1, heads, rows, d], stride=[rows * st[0], st[1], st[0], 1],
                             data_type=bf)
         self.q, self.k, self.v = desc("q", T, hq, sq), desc("k", n_keys, hkv, sk), desc("v", n_keys, hkv, sv)
+        self.padded, lens = padded, {}
+        if padded:
+            def length(name):
+                return g.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
+            self.sl_q, self.sl_kv = length("seq_len_q"), length("seq_len_kv")
+            lens = dict(use_padding_mask=True, seq_len_q=self.sl_q, seq_len_kv=self.sl_kv)
         res = g.sdpa(name="sdpa", q=self.q, k=self.k, v=self.v, attn_scale=float(scale), generate_stats=False,
-                     diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT, diagonal_band_right_bound=0)
+                     diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT, diagonal_band_right_bound=0, **lens)
         self.o = res[0] if isinstance(res, (tuple, list)) else res
         self.o.set_output(True).set_dim([1, hq, T, d]).set_stride([T * so[0], so[1], so[0], 1]).set_data_type(bf)
         if hasattr(g, "deselect_workspace_greater_than"):     # only plans that fit the planned workspace
-            g.deselect_workspace_greater_than(WORKSPACE)
+            g.deselect_workspace_greater_than(WORKSPACE - _LENS)
         g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         self.workspace = int(g.get_workspace_size())
-        if self.workspace > WORKSPACE:
-            raise Unsupported(f"cuDNN SDPA wants {self.workspace} bytes of workspace, more than {WORKSPACE}")
+        if self.workspace > WORKSPACE - _LENS:
+            raise Unsupported(f"cuDNN SDPA wants {self.workspace} bytes of workspace, more than {WORKSPACE - _LENS}")
         self.graph = g
+
+
+def _set_lengths(lens_ptr: int, T: int, n_keys: int, stream_handle: int) -> None:
+    """The padded graph's real lengths, written on the stream (two memset nodes in a capture: no host memory)."""
+    from cuda.bindings import driver as cu
+    for i, n in enumerate((T, n_keys)):
+        err, = cu.cuMemsetD32Async(lens_ptr + 4 * i, n, 1, stream_handle)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuMemsetD32Async failed: {err}")
 
 
 def _strides(a) -> tuple[int, int] | None:
@@ -163,10 +193,13 @@ def _capturing(stream_handle: int) -> bool:
     return err != cu.CUresult.CUDA_SUCCESS or status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
 
 
-def launch(q, k, v, out, workspace, *, start_pos: int, scale: float, stream=None) -> None:
+def launch(q, k, v, out, workspace, *, start_pos: int, scale: float, stream=None, spare_rows: int = 0,
+           spare_keys: int = 0) -> None:
     """out = causal GQA attention (the contract above) on ``stream``; ``workspace``: uint8, >= ``WORKSPACE``
     bytes. Raises ``Unsupported`` (nothing enqueued) where cuDNN has no graph for the shape or one would have to
-    be built during a capture."""
+    be built during a capture. ``spare_rows``: rows past T that q and out may be read and written at (their
+    buffers' own); ``spare_keys``: committed cache rows past start_pos + T. With ``PADDED`` and enough of both, the
+    call runs its length bucket's graph."""
     sh = _stream_handle(stream)
     if "lib" not in _state and _capturing(sh):
         raise Unsupported("cuDNN is not started yet, and it is not started during a capture")
@@ -182,11 +215,13 @@ def launch(q, k, v, out, workspace, *, start_pos: int, scale: float, stream=None
     st = [_strides(a) for a in (q, k, v, out)]
     if any(s is None for s in st):
         raise Unsupported("the cuDNN route takes operands whose last axis is packed and rows 16-byte aligned")
-    spans = [(rows - 1) * r + (h - 1) * hs + d for (r, hs), rows, h in zip(st, (T, n_keys, n_keys, T),
+    padded = PADDED and bucket(T) - T <= spare_rows and bucket(n_keys) - n_keys <= spare_keys
+    gt, gk = (bucket(T), bucket(n_keys)) if padded else (T, n_keys)     # the graph's rows
+    spans = [(rows - 1) * r + (h - 1) * hs + d for (r, hs), rows, h in zip(st, (gt, gk, gk, gt),
                                                                            (hq, hkv, hkv, hq))]
     if max(spans) >= _SPAN_MAX:
         raise Unsupported(f"an operand spans {max(spans)} elements, past 2^31")
-    key = (T, n_keys, hq, hkv, d, float(scale), *st)
+    key = (gt, gk, hq, hkv, d, float(scale), *st, padded)
     with _lock:
         graphs = _state["graphs"]
         g = graphs.get(key)
@@ -196,12 +231,16 @@ def launch(q, k, v, out, workspace, *, start_pos: int, scale: float, stream=None
             if len(graphs) >= _GRAPHS_MAX:
                 raise Unsupported(f"{_GRAPHS_MAX} cuDNN graphs are kept already")
             try:
-                g = _Graph(cudnn, _state["handle"], T, n_keys, hq, hkv, d, scale, *st)
+                g = _Graph(cudnn, _state["handle"], gt, gk, hq, hkv, d, scale, *st, padded=padded)
             except Exception as e:  # noqa: BLE001  (cudnnGraphNotSupportedError and kin: this shape is not taken)
                 g = f"{type(e).__name__}: {e}"
             graphs[key] = g                 # a str: why cuDNN refused the shape, remembered
         if isinstance(g, str):
             raise Unsupported(f"cuDNN has no SDPA graph for T={T} keys={n_keys} heads={hq}/{hkv} d={d}: {g}")
+        pack = {g.q: data_ptr(q), g.k: data_ptr(k), g.v: data_ptr(v), g.o: data_ptr(out)}
+        if g.padded:
+            lens = data_ptr(workspace) + WORKSPACE - _LENS
+            _set_lengths(lens, T, n_keys, sh)
+            pack.update({g.sl_q: lens, g.sl_kv: lens + 4})
         cudnn.set_stream(handle=_state["handle"], stream=sh)
-        g.graph.execute({g.q: data_ptr(q), g.k: data_ptr(k), g.v: data_ptr(v), g.o: data_ptr(out)},
-                        data_ptr(workspace), handle=_state["handle"])
+        g.graph.execute(pack, data_ptr(workspace), handle=_state["handle"])

@@ -718,12 +718,15 @@ def _kernel(route, D):
     return _KERNELS[key]
 
 
-def launch(q, k, v, out, workspace, *, start_pos=0, scale=None, route=None, stream, session_workspace=None):
+def launch(q, k, v, out, workspace, *, start_pos=0, scale=None, route=None, stream, session_workspace=None,
+           spare_rows=0, spare_keys=0):
     """out[T, Hq, D] = causal GQA attention of q[T, Hq, D] over k/v[:start_pos + T] (all bf16 uint16
     device arrays). ``workspace``: 1-D uint8 device view sized by ``workspace_requirement`` (None for the
     fused routes). ``session_workspace``: a session-lifetime uint8 view (the same address in every capture) that
     lets ``choose_route`` take cuDNN; with ``route="cudnn"`` it is that route's workspace. Never allocates; a
-    short view raises ``WorkspaceShortfall``. Returns the route that ran (a refused cuDNN shape: ours)."""
+    short view raises ``WorkspaceShortfall``. Returns the route that ran (a refused cuDNN shape: ours).
+    ``spare_rows`` / ``spare_keys``: rows of q and out past T, and committed cache rows past start_pos + T, that
+    the cuDNN route's length buckets may touch (``cudnn_sdpa.launch``)."""
     T, Hq, D = q.shape
     S, Hkv = k.shape[0], k.shape[1]
     n_keys = start_pos + T
@@ -738,7 +741,8 @@ def launch(q, k, v, out, workspace, *, start_pos=0, scale=None, route=None, stre
         if T == 0:                  # nothing to attend (our routes, too, check their views and launch nothing)
             return CUDNN
         try:
-            cudnn_sdpa.launch(q, k, v, out, session_workspace, start_pos=start_pos, scale=scale, stream=stream)
+            cudnn_sdpa.launch(q, k, v, out, session_workspace, start_pos=start_pos, scale=scale, stream=stream,
+                              spare_rows=spare_rows, spare_keys=spare_keys)
             return CUDNN
         except cudnn_sdpa.Unsupported:
             if asked == CUDNN:

@@ -174,6 +174,40 @@ def test_prefill_cudnn_route_reads_a_models_strided_cache(stream):
     assert_bf16_close(got[:, HEADS], ap.reference(q[:, HEADS], k[:, kvh], v[:, kvh], start_pos=sp), 1e-2)
 
 
+@pytest.mark.parametrize("T,start_pos", [(2100, 0), (2304, 0), (3001, 0), (700, 2900)])
+def test_prefill_cudnn_length_buckets_use_only_the_real_rows(stream, monkeypatch, T, start_pos):
+    """``PADDED``: the call runs its length bucket's graph with the real lengths in device memory. The rows past
+    T of q and the cache rows past the keys are NaN (in a model they hold anything): the output's real rows must
+    still be the reference's, on a model's strided cache, and two lengths of one bucket share one graph."""
+    _need_cudnn()
+    from vmmstream.kernels.attention import cudnn_sdpa
+    monkeypatch.setattr(cudnn_sdpa, "PADDED", True)
+    n_keys = start_pos + T
+    tb, kb = cudnn_sdpa.bucket(T), cudnn_sdpa.bucket(n_keys)
+    layers, layer = 3, 1
+    rng = np.random.default_rng(11)
+    q = np.full((tb, HQ, D), 0x7FC0, np.uint16)
+    q[:T] = bf16(rng, (T, HQ, D))
+    cache = np.full((kb + 8, layers, 2, HKV, D), 0x7FC0, np.uint16)
+    cache[:n_keys] = bf16(rng, (n_keys, layers, 2, HKV, D))
+    dcache = cuda.to_device(cache)
+    dk, dv = dcache[:, layer, 0], dcache[:, layer, 1]
+    dq, out = cuda.to_device(q), cuda.to_device(np.full_like(q, 0x7FC0))
+    ws = cuda.device_array(cudnn_sdpa.WORKSPACE, np.uint8)
+    before = len(cudnn_sdpa._state.get("graphs", {}))
+    for rows in (T, T - 1):                       # two lengths, one bucket (the second is checked below)
+        ap.launch(dq[:rows], dk, dv, out[:rows], None, start_pos=start_pos, route=ap.CUDNN, stream=stream,
+                  session_workspace=ws, spare_rows=tb - rows, spare_keys=kb + 8 - (start_pos + rows))
+    got = out.copy_to_host(stream=stream)
+    stream.synchronize()
+    graphs = cudnn_sdpa._state["graphs"]
+    assert len(graphs) - before <= 1 and any(k[:2] == (tb, kb) and k[-1] for k in graphs)
+    kvh = [h // (HQ // HKV) for h in HEADS]
+    k, v = cache[:, layer, 0], cache[:, layer, 1]
+    ref = ap.reference(q[:T - 1][:, HEADS], k[:, kvh], v[:, kvh], start_pos=start_pos)
+    assert_bf16_close(got[:T - 1, HEADS], ref, 1e-2)
+
+
 @pytest.mark.parametrize("route,tol", [(ap.FUSED_MMA_ASYNC, 1e-2), (ap.FUSED_MMA, 1e-2), (ap.FUSED, 2e-3)])
 def test_prefill_fused_real_shape(stream, route, tol):
     assert ap.workspace_requirement(2048, HQ, HKV, D, route=route) == NONE

@@ -41,7 +41,7 @@ class FakeCudnn:
 
     def __init__(self):
         self.graphs, self.runs, self.streams, self.fail, self.ws = [], [], [], False, 256
-        self.data_type = types.SimpleNamespace(BFLOAT16="bf16", FLOAT="f32")
+        self.data_type = types.SimpleNamespace(BFLOAT16="bf16", FLOAT="f32", INT32="i32")
         self.diagonal_alignment = types.SimpleNamespace(BOTTOM_RIGHT="bottom_right", TOP_LEFT="top_left")
         self.heur_mode = types.SimpleNamespace(A="A", FALLBACK="FALLBACK")
         fake = self
@@ -164,6 +164,40 @@ def test_a_refused_shape_is_remembered_and_raises_before_any_work(fake):
     assert fake.runs == []
     with pytest.raises(ValueError, match="workspace"):      # a short view: the caller's error, not a fallback
         cudnn_sdpa.launch(q, k, v, out, ws[:-1], start_pos=0, scale=0.1, stream=None)
+
+
+def test_padded_graphs_serve_every_length_of_their_bucket(fake, monkeypatch):
+    """With ``PADDED``: one graph per (bucket of T, bucket of keys), built with cuDNN's padding mask; each call writes
+    its real lengths into the workspace's last bytes on the stream and passes them; a call without the spare rows
+    or committed keys its bucket needs runs a graph of its own exact shape."""
+    monkeypatch.setattr(cudnn_sdpa, "PADDED", True)
+    lens = []
+    monkeypatch.setattr(cudnn_sdpa, "_set_lengths", lambda ptr, T, n, sh: lens.append((ptr, T, n)))
+    assert [cudnn_sdpa.bucket(n) for n in (1, 128, 129, 2048, 2049, 2304, 3000, 4096, 4097, 9000)] == \
+        [128, 128, 256, 2048, 2304, 2304, 3072, 4096, 4608, 9216]
+    hq, hkv, d, S = 4, 1, 64, 4096
+    q, k, v, out, ws = arrays(2304, hq, hkv, d, S)
+    tail = data_ptr(ws) + cudnn_sdpa.WORKSPACE - cudnn_sdpa._LENS
+    for T in (2049, 2100, 2304):                 # one bucket: one graph
+        cudnn_sdpa.launch(q[:T], k, v, out[:T], ws, start_pos=0, scale=0.1, stream=None,
+                          spare_rows=2304 - T, spare_keys=S - T)
+    (g,) = fake.graphs
+    assert g.tensors["q"].kw["dim"][2] == 2304 and g.tensors["k"].kw["dim"][2] == 2304
+    assert g.sdpa_kw["use_padding_mask"] is True and g.sdpa_kw["diagonal_alignment"] == "bottom_right"
+    assert [r[1]["seq_len_q"] for r in fake.runs] == [tail] * 3 and [r[1]["seq_len_kv"] for r in fake.runs] == [tail + 4] * 3
+    assert lens == [(tail, 2049, 2049), (tail, 2100, 2100), (tail, 2304, 2304)]
+    cudnn_sdpa.launch(q[:300], k, v, out[:300], ws, start_pos=1800, scale=0.1, stream=None,   # cached keys:
+                      spare_rows=2004, spare_keys=S - 2100)                                      # 384 x 2304
+    assert [fake.graphs[-1].tensors[n].kw["dim"][2] for n in ("q", "k")] == [384, 2304] and lens[-1][1:] == (300, 2100)
+    cudnn_sdpa.launch(q[:2100], k, v, out[:2100], ws, start_pos=0, scale=0.1, stream=None,     # keys not committed:
+                      spare_rows=204, spare_keys=100)                                            # its own shape
+    g = fake.graphs[-1]
+    assert len(fake.graphs) == 3 and g.tensors["q"].kw["dim"][2] == 2100 and "use_padding_mask" not in g.sdpa_kw
+    assert "seq_len_q" not in fake.runs[-1][1] and len(lens) == 4
+    monkeypatch.setattr(cudnn_sdpa, "PADDED", False)      # off: exact shapes, as before
+    cudnn_sdpa.launch(q[:2049], k, v, out[:2049], ws, start_pos=0, scale=0.1, stream=None, spare_rows=255,
+                      spare_keys=S)
+    assert fake.graphs[-1].tensors["q"].kw["dim"][2] == 2049 and len(lens) == 4
 
 
 def test_kept_graphs_are_bounded_and_never_destroyed(fake, monkeypatch):

@@ -164,7 +164,7 @@ class HostOps:
                     cv[p] = v[t]
         self._run(s, run)
 
-    def attn_prefill(self, s, q, ck, cv, out, ws, start_pos, session=None):
+    def attn_prefill(self, s, q, ck, cv, out, ws, start_pos, session=None, spare_rows=0, spare_keys=0):
         ref = self.k["attention_prefill"].reference
         self.attn_routes["reference"] += 1
         self._run(s, lambda: self._store(out, ref(q, ck, cv, start_pos=start_pos)))
@@ -498,11 +498,13 @@ class CudaOps:
             self.launches += 1
             self._kv_kernel[(n + 255) // 256, 256, as_stream(self._s(s))](k, v, ck, cv, positions, h, d, n)
 
-    def attn_prefill(self, s, q, ck, cv, out, ws, start_pos, session=None):
-        """``session``: the session workspace, for the cuDNN route (long prompts) where it is planned."""
+    def attn_prefill(self, s, q, ck, cv, out, ws, start_pos, session=None, spare_rows=0, spare_keys=0):
+        """``session``: the session workspace, for the cuDNN route (long prompts) where it is planned;
+        ``spare_rows`` / ``spare_keys``: what that route's length buckets may touch past the call's rows."""
         self.launches += 1
         route = self.k["attention_prefill"].launch(q, ck, cv, out, ws, start_pos=start_pos, stream=self._s(s),
-                                                   session_workspace=session)
+                                                   session_workspace=session, spare_rows=spare_rows,
+                                                   spare_keys=spare_keys)
         self.attn_routes[route] += 1
 
     def attn_decode(self, s, q, ck, cv, seq_len, out, ws):

@@ -252,8 +252,10 @@ class Step:
             elif packed:
                 self._attn_packed(layer, packed, ws_step)
             elif ws_step is None or t <= self.acts.sub:
+                # q and attn are tmax-row buffers of their own; the cache holds capacity() committed rows
                 o.attn_prefill(S, a.q3, self.kv.k(layer), self.kv.v(layer), a.attn3, ws_step, start_pos,
-                               session=self.ws_session)
+                               session=self.ws_session, spare_rows=self.acts.tmax - t,
+                               spare_keys=self._spare_keys(start_pos + t))
             else:                   # materialized scores: the step workspace holds a sub-chunk's
                 self._attn_in_parts(layer, t, start_pos, ws_step)
             wo = p + "self_attn.o_proj.weight"
@@ -276,6 +278,11 @@ class Step:
             row = a.xn_last
         logits = a.logits if decode else self.acts.views(1 if last is None else last.shape[0]).logits
         self._use([self.head], lambda: o.gemv(S, W(self.head), row, logits))
+
+    def _spare_keys(self, n_keys: int) -> int:
+        """Committed cache rows past ``n_keys`` (0 for a cache that does not say)."""
+        cap = getattr(self.kv, "capacity", None)
+        return max(0, cap() - n_keys) if callable(cap) else 0
 
     def _attn_packed(self, layer: int, packed, ws) -> None:
         """Causal prefill attention of each packed prompt over its own slot's cache (it starts at position 0); with
