@@ -40,8 +40,9 @@ grouped GEMM. Expert-parallel sharding is not handled.
 from __future__ import annotations
 
 from vmmstream.kernels.moe.combine import _make_combine, combine
-from vmmstream.kernels.moe.experts import (INT4, MXFP4, SMEM_X, MoeConfig, _make_down, _make_gate_up, _make_q,
-    expert_ffn, expert_ffn_int4, expert_ffn_mxfp4, quantize_experts)
+from vmmstream.kernels.moe import experts  # noqa: F401  (moe.experts.MMA: the tensor-core switch)
+from vmmstream.kernels.moe.experts import (INT4, MXFP4, SMEM_X, MoeConfig, _make_down, _make_down_mma, _make_gate_up,
+    _make_gate_up_mma, _make_q, expert_ffn, expert_ffn_int4, expert_ffn_mxfp4, mma_row_tile, quantize_experts)
 from vmmstream.kernels.moe.reference import (reference_combine, reference_experts, reference_experts_int4,
     reference_experts_mxfp4, reference_group, reference_moe, reference_router)
 from vmmstream.kernels.moe.route import (MAX_EXPERTS, MAX_TOPK, MIXTRAL, QWEN, SCORING, Routing, _layout,
@@ -53,7 +54,7 @@ __all__ = [
     "CAPTURE_SAFE", "SIGNATURES", "bytes_moved", "flops",
     "MAX_EXPERTS", "MAX_TOPK", "MIXTRAL", "QWEN", "SCORING", "INT4", "MXFP4", "SMEM_X", "MoeConfig",
     "Routing", "max_tiles", "workspace_requirement", "routing_views", "h_view", "router_topk", "group_by_expert",
-    "expert_ffn", "expert_ffn_int4", "expert_ffn_mxfp4", "quantize_experts", "combine",
+    "expert_ffn", "expert_ffn_int4", "expert_ffn_mxfp4", "mma_row_tile", "quantize_experts", "combine",
     "reference_router", "reference_group", "reference_experts", "reference_experts_int4",
     "reference_experts_mxfp4", "reference_combine", "reference_moe", "_layout",
 ]
@@ -128,6 +129,10 @@ _SIG_GATE_UP = f"void(uint16[:, :, ::1], uint16[:, :, ::1], uint16[:, ::1], {_RO
                "int64, int64, int64, int64)"
 
 
+_SIG_GATE_UP_MMA = f"void(uint16[:, :, ::1], uint16[:, :, ::1], uint16[:, ::1], {_ROUTE}, uint16[:, ::1], " \
+                   "int64, int64, int64)"
+
+
 def _sig_down(y: str) -> str:
     return f"void(uint16[:, :, ::1], uint16[:, ::1], {_ROUTE}, {y}[:, :, ::1], int64, int64, int64, int64)"
 
@@ -157,6 +162,9 @@ SIGNATURES = [
 ] + [
     (_make_down(nb, rpb, 128, ob).py_func, _sig_down("uint16" if ob else "float32"))
     for nb, rpb, ob in ((1, 2, False), (1, 2, True), (4, 2, False), (1, 1, False))
+] + [(_make_gate_up_mma().py_func, _SIG_GATE_UP_MMA)] + [
+    (_make_down_mma(ob).py_func, f"void(uint16[:, :, ::1], uint16[:, ::1], {_ROUTE}, {y}[:, :, ::1], int64, int64, "
+                                 "int64)") for ob, y in ((False, "float32"), (True, "uint16"))
 ] + [
     (_make_q(INT4, pair, nb, 2, 128, SMEM_X // nb, False).py_func, _sig_q(INT4, st, pair, "float32"))
     for pair in (True, False) for nb, st in ((1, "float16"), (4, "float16"), (1, "float32"))

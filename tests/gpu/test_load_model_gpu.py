@@ -252,6 +252,29 @@ def test_batched_decode_of_a_mixture_of_experts_on_cuda(driver, tmp_path, arch, 
             assert got[:k] == want, (arch, on_demand)
 
 
+def test_batched_decode_of_a_mixture_through_the_tensor_core_experts(driver, tmp_path, monkeypatch):
+    """``moe.experts.MMA``, every expert resident, 9 sequences a step (tiles of 8 rows in the step's graph) and a
+    9-token prompt (the prefill's tiles): each sequence's tokens equal its own alone."""
+    from vmmstream.kernels.moe import experts
+    monkeypatch.setattr(experts, "MMA", True)
+    made, real = [], experts._make_gate_up_mma
+    monkeypatch.setattr(experts, "_make_gate_up_mma", lambda: made.append(1) or real())
+    _hf("mixtral", 8, tmp_path)
+    prompts = [PROMPT, list(range(10, 19))] + [[3 + j, 4, 5 + 2 * j] for j in range(7)]
+    news = [10, 6, 8, 10, 4, 9, 7, 10, 5]
+    mem = memory(driver, 1 << 30)
+    try:
+        with vmmstream.load_model(tmp_path, memory=mem, max_context=MC, max_batch=9) as m:
+            assert m.plan.experts.slots == 0
+            alone = [m.generate(p, k, eos_token_id=[]) for p, k in zip(prompts, news)]
+            together = m.generate(prompts, max(news), eos_token_id=[])
+            assert m.stats()["batch_graph_replays"] > 0 and made      # the tensor-core experts ran
+    finally:
+        mem.close()
+    for got, want, k in zip(together, alone, news):
+        assert got[:k] == want
+
+
 # Seeds chosen on the host backend for the widest greedy margins over the 32 steps (smallest top-2 margin /
 # tolerance: mixtral 8 0.64, qwen2-moe 7 1.92; of seeds 0-39 and 0-7). mixtral 3 / qwen2-moe 0 had margins of
 # 0.06 / 0.12 of the tolerance and parted from transformers at a near-tie on the H200 (mixtral 3 on the host too).

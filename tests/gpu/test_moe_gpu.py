@@ -53,18 +53,19 @@ def expert_stacks(rng, e, h, i, routed, kind):
     return stacks, deq
 
 
-def run_chain(stream, x, logits, weights, kind, e, k, i, y_dtype=np.float32):
+def run_chain(stream, x, logits, weights, kind, e, k, i, y_dtype=np.float32, row_tile=0):
     from numba import cuda
     t, h = x.shape
     ids = cuda.device_array((t, k), np.int32, stream=stream)
     wts = cuda.device_array((t, k), np.float32, stream=stream)
     moe.router_topk(to_dev(logits, stream), ids, wts, scoring="mixtral", stream=stream)
     ws = cuda.device_array(moe.workspace_requirement(t, k, e, i).bytes, np.uint8, stream=stream)
-    rt = moe.group_by_expert(ids, workspace=ws, num_experts=e, stream=stream)
+    rt = moe.group_by_expert(ids, workspace=ws, num_experts=e, row_tile=row_tile, stream=stream)
     y = cuda.device_array((t, k, h), y_dtype, stream=stream)
     dx = to_dev(x, stream)
     if kind == "bf16":
-        moe.expert_ffn(dx, *(to_dev(w, stream) for w in weights), y, workspace=ws, stream=stream)
+        moe.expert_ffn(dx, *(to_dev(w, stream) for w in weights), y, workspace=ws, row_tile=row_tile,
+                       stream=stream)
     else:
         fn = moe.expert_ffn_int4 if kind == "int4" else moe.expert_ffn_mxfp4
         fn(dx, *(tuple(to_dev(a, stream) for a in w) for w in weights), y, workspace=ws, stream=stream)
@@ -165,3 +166,21 @@ def test_captured_moe_decode_replays_match_eager(stream):
             replay()
             np.testing.assert_array_equal(get(ids, stream), want_ids)
             np.testing.assert_array_equal(get(out, stream), want_out)
+
+
+@pytest.mark.parametrize("t,y_dtype", [(32, np.float32), (16, np.uint16), (9, np.float32)])
+def test_moe_tensor_core_experts_at_the_presets_shape(stream, monkeypatch, t, y_dtype):
+    """``moe.experts.MMA``: a batch's routed experts through the tensor-core kernels (tiles of 8 rows), the 4.7B
+    preset's shapes; h and y against the reference with the SIMT kernels' slack."""
+    monkeypatch.setattr(moe.experts, "MMA", True)
+    e, k, h, i = 8, 2, 2048, 5632
+    assert moe.mma_row_tile(t, h, i) == 8
+    rng = np.random.default_rng(t * 7 + 3)
+    x = bf16(rng, (t, h))
+    logits = rng.standard_normal((t, e), dtype=np.float32) * np.float32(3.0)
+    rid, rw = moe.reference_router(logits, k, scoring="mixtral")
+    weights, deq = expert_stacks(rng, e, h, i, sorted(set(rid.reshape(-1).tolist())), "bf16")
+    ids, wts, ws, rt, y, out = run_chain(stream, x, logits, weights, "bf16", e, k, i, y_dtype, row_tile=8)
+    check_routing(rt, moe.reference_group(rid, e, row_tile=8))
+    _, h_ref = moe.reference_experts(x, rid, *weights, return_h=True)
+    check_experts(x, rid, *deq, kernel_h(ws, rt, t, k, e, i), get(y, stream), h_ref, SLACK)

@@ -59,7 +59,7 @@ def config(arch="LlamaForCausalLM", **kw):
     return ModelConfig(**base)
 
 
-def run(path, budget_fn, cuda_ops, monkeypatch, **load):
+def run(path, budget_fn, cuda_ops, monkeypatch, prompt=PROMPT, **load):
     make = (lambda driver: SimCudaOps(driver)) if cuda_ops else (lambda driver: ops_module.HostOps(driver))
     monkeypatch.setattr(ops_module, "make_ops", make)
     monkeypatch.setattr(engine_module, "make_ops", make)      # the engine holds its own reference
@@ -67,7 +67,7 @@ def run(path, budget_fn, cuda_ops, monkeypatch, **load):
     try:
         with vmmstream.load_model(path, memory=mem, max_context=MC, **load) as m:
             assert isinstance(m.engine.ops, SimCudaOps) == cuda_ops
-            tokens, logits = m.generate(PROMPT, NEW, return_logits=True, eos_token_id=[])
+            tokens, logits = m.generate(prompt, NEW, return_logits=True, eos_token_id=[])
             return tokens, logits, m.plan, m.stats()
     finally:
         mem.close()
@@ -162,3 +162,22 @@ def test_moe_cuda_step_matches_host(tmp_path, monkeypatch, where, quantize):
     for k in ("expert_hits", "expert_misses", "expert_bytes_per_token"):
         assert host[3][k] == sim[3][k], k                 # the gather's device counters count as the host does
 
+
+def test_moe_prefill_through_the_tensor_core_experts(tmp_path, monkeypatch):
+    """``moe.experts.MMA``: a prefill of 9 tokens with every expert resident runs the experts' tensor-core kernels
+    (tiles of 8 rows, K in chunks of 64) inside the model; tokens and logits as the host backend's."""
+    from vmmstream.kernels.moe import experts
+    monkeypatch.setattr(experts, "MMA", True)
+    made = []
+    real = experts._make_gate_up_mma
+    monkeypatch.setattr(experts, "_make_gate_up_mma", lambda: made.append(1) or real())
+    cfg = config("MixtralForCausalLM", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                 norm_topk_prob=True)
+    path = make_checkpoint(cfg, tmp_path, seed=7)
+    full = budgets(path)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5]
+    host = run(path, lambda _: full.floor + full.weight_bytes, False, monkeypatch, prompt=prompt)
+    assert not made
+    sim = run(path, lambda _: full.floor + full.weight_bytes, True, monkeypatch, prompt=prompt)
+    assert made                                     # the prefill's experts went through the tensor cores
+    compare(host, sim)

@@ -208,6 +208,31 @@ def test_moe_chain_bf16(t, e, k, h, i, y_dtype, scoring, norm, rpb):
     assert np.max(np.abs(got - full)) <= 0.02 * np.max(np.abs(full))
 
 
+@pytest.mark.parametrize("y_dtype", [np.float32, np.uint16])
+def test_expert_ffn_tensor_core_tiles(monkeypatch, y_dtype):
+    """``MMA``: tiles of 8 grouped rows through ``gemv_mma``'s block body (16 weight rows a block, K in chunks of
+    64): an expert with more than 8 rows (two tiles, the second partial), experts with one row, a permutation that
+    is not the identity; h and y against the reference, like the SIMT kernels' (the same checks)."""
+    monkeypatch.setattr(moe.experts, "MMA", True)
+    rng = np.random.default_rng(31)
+    t, k, e, h, i = 12, 2, 4, 128, 64
+    assert moe.mma_row_tile(t, h, i) == 8 and moe.mma_row_tile(t, h, 72) == 0 and moe.mma_row_tile(4, h, i) == 0
+    x = bf16(rng, (t, h))
+    wg, wu, wd = bf16(rng, (e, i, h), 0.3), bf16(rng, (e, i, h), 0.3), bf16(rng, (e, h, i), 0.3)
+    rid = np.stack([np.full(t, 3), rng.integers(0, 3, t)], axis=1).astype(np.int32)   # expert 3: 12 rows
+    rid[5, 1], rid[9, 1] = 0, 1
+    rid[rng.permutation(t)[:4]] = rid[rng.permutation(t)[:4]][:, ::-1]                  # slots swapped
+    ws = cuda.device_array(moe.workspace_requirement(t, k, e, i).bytes, np.uint8)
+    rt = moe.group_by_expert(dev(rid), workspace=ws, num_experts=e, row_tile=8, threads=32)
+    check_routing(rt, moe.reference_group(rid, e, row_tile=8))
+    y = cuda.device_array((t, k, h), y_dtype)
+    moe.expert_ffn(dev(x), dev(wg), dev(wu), dev(wd), y, workspace=ws, row_tile=8)
+    y_got = y.copy_to_host()
+    _, h_ref = moe.reference_experts(x, rid, wg, wu, wd, return_h=True)
+    check_experts(x, rid, bf16_to_f32(wg), bf16_to_f32(wu), bf16_to_f32(wd), kernel_h(ws, rt, t, k, e, i),
+                  y_got, h_ref)
+
+
 def test_expert_ffn_int4_shared_expert_tile():
     """Two tokens routed to the same expert: one tile of two rows (each weight chunk feeds both), K staged
     in two shared-memory passes."""

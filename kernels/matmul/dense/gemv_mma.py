@@ -45,22 +45,26 @@ def usable(w, x) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _device(nt: int, pair: bool):
-    """``rows(wa, wb, x, r0, n_rows, n_batch, k, acc, mscr)``: this warp's partial sums of rows r0 … r0 + 15 of
-    ``wa`` (and, with ``pair``, of ``wb``) with the ``8·nt`` sequences of x, in C fragment order
-    ``acc[m·4nt + 4j + i]`` (m = 0: wa, 1: wb; j: n8 tile; i: c0..c3).
+def _device(nt: int, pair: bool, gathered: bool = False):
+    """``rows(wa, wb, x, xg, r0, n_rows, n_batch, k, acc, mscr)``: this warp's partial sums of rows r0 … r0 + 15
+    of ``wa`` (and, with ``pair``, of ``wb``) with the ``8·nt`` sequences of x, in C fragment order
+    ``acc[m·4nt + 4j + i]`` (m = 0: wa, 1: wb; j: n8 tile; i: c0..c3). With ``gathered`` (one n8 tile), the
+    lane's sequence is row ``xg`` of x (a mixture's expert tile: its tokens' rows), else row g (clamped to B).
     ``publish(red, acc)`` / the totals: through the shared ``red[m, warp, row, seq]``."""
     na = 4 * nt * (2 if pair else 1)
 
     @cuda.jit(device=True, inline="always")
-    def mma_chunk(wa, x, ra, rb, c, n_batch, acc, base, g, t, mscr):
+    def mma_chunk(wa, x, xg, ra, rb, c, n_batch, acc, base, g, t, mscr):
         """One 64-element chunk of K at c: rows ra / rb (this lane's g and g + 8) of wa against x."""
         a0, a1, a2, a3 = ld8_ro(wa, (ra, c + 8 * t))
         a4, a5, a6, a7 = ld8_ro(wa, (ra, c + 32 + 8 * t))
         b0, b1, b2, b3 = ld8_ro(wa, (rb, c + 8 * t))
         b4, b5, b6, b7 = ld8_ro(wa, (rb, c + 32 + 8 * t))
         for j in range(nt):
-            xr = min(8 * j + g, n_batch - 1)       # sequences past B are clamped; their sums are dropped
+            if gathered:
+                xr = xg
+            else:
+                xr = min(8 * j + g, n_batch - 1)       # sequences past B are clamped; their sums are dropped
             x0, x1, x2, x3 = ld8_ro(x, (xr, c + 8 * t))
             x4, x5, x6, x7 = ld8_ro(x, (xr, c + 32 + 8 * t))
             i = base + 4 * j
@@ -72,7 +76,7 @@ def _device(nt: int, pair: bool):
             acc[i], acc[i + 1], acc[i + 2], acc[i + 3] = c0, c1, c2, c3
 
     @cuda.jit(device=True, inline="always")
-    def rows(wa, wb, x, r0, n_rows, n_batch, k, acc, mscr):
+    def rows(wa, wb, x, xg, r0, n_rows, n_batch, k, acc, mscr):
         tid = cuda.threadIdx.x
         lane, warp = tid % 32, tid // 32
         g, t = lane >> 2, lane & 3
@@ -86,14 +90,14 @@ def _device(nt: int, pair: bool):
             for c in range(warp * KC, cdiv(k, WARPS * KC) * WARPS * KC, WARPS * KC):
                 base = 0 if c < k else na
                 cc = min(c, k - KC)
-                mma_chunk(wa, x, ra, rb, cc, n_batch, acc, base, g, t, mscr)
+                mma_chunk(wa, x, xg, ra, rb, cc, n_batch, acc, base, g, t, mscr)
                 if pair:
-                    mma_chunk(wb, x, ra, rb, cc, n_batch, acc, base + 4 * nt, g, t, mscr)
+                    mma_chunk(wb, x, xg, ra, rb, cc, n_batch, acc, base + 4 * nt, g, t, mscr)
         else:       # constant offsets: the accumulators stay in registers
             for c in range(warp * KC, k, WARPS * KC):
-                mma_chunk(wa, x, ra, rb, c, n_batch, acc, 0, g, t, mscr)
+                mma_chunk(wa, x, xg, ra, rb, c, n_batch, acc, 0, g, t, mscr)
                 if pair:
-                    mma_chunk(wb, x, ra, rb, c, n_batch, acc, 4 * nt, g, t, mscr)
+                    mma_chunk(wb, x, xg, ra, rb, c, n_batch, acc, 4 * nt, g, t, mscr)
 
     @cuda.jit(device=True, inline="always")
     def publish(red, acc):
@@ -141,7 +145,7 @@ def _make(nt: int, has_bias: bool, out_bf16: bool):
         red = cuda.shared.array((1, WARPS, ROWS, SB), float32)
         acc = cuda.local.array(NA, float32)
         r0 = cuda.blockIdx.x * ROWS
-        rows(w, w, x, r0, n_rows, n_batch, k, acc, mscr)
+        rows(w, w, x, 0, r0, n_rows, n_batch, k, acc, mscr)
         publish(red, acc)
         for e in range(cuda.threadIdx.x, ROWS * n_batch, NT):
             r, b = e % ROWS, e // ROWS
@@ -178,11 +182,11 @@ def _make_multi(nt: int, has_bias: bool):
             m, n_rows, r0 = 2, n2, (bx - blk0 - blk1) * ROWS
         # each matrix its own call (a selected array argument would lose the ld.global.nc loads)
         if m == 0:
-            rows(w0, w0, x, r0, n_rows, n_batch, k, acc, mscr)
+            rows(w0, w0, x, 0, r0, n_rows, n_batch, k, acc, mscr)
         elif m == 1:
-            rows(w1, w1, x, r0, n_rows, n_batch, k, acc, mscr)
+            rows(w1, w1, x, 0, r0, n_rows, n_batch, k, acc, mscr)
         else:
-            rows(w2, w2, x, r0, n_rows, n_batch, k, acc, mscr)
+            rows(w2, w2, x, 0, r0, n_rows, n_batch, k, acc, mscr)
         publish(red, acc)
         for e in range(cuda.threadIdx.x, ROWS * n_batch, NT):
             r, b = e % ROWS, e // ROWS
@@ -216,7 +220,7 @@ def _make_gate_up(nt: int):
         red = cuda.shared.array((2, WARPS, ROWS, SB), float32)
         acc = cuda.local.array(NA, float32)
         r0 = cuda.blockIdx.x * ROWS
-        rows(wg, wu, x, r0, n_rows, n_batch, k, acc, mscr)
+        rows(wg, wu, x, 0, r0, n_rows, n_batch, k, acc, mscr)
         publish(red, acc)
         for e in range(cuda.threadIdx.x, ROWS * n_batch, NT):
             r, b = e % ROWS, e // ROWS

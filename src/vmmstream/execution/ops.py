@@ -385,14 +385,16 @@ class CudaOps:
         """Group the (token, slot) pairs of ``ids`` by expert and run the SwiGLU FFN over ``stack``."""
         moe = self.k_moe()
         self.launches += 3
-        moe.group_by_expert(ids, workspace=ws, num_experts=n_experts, stream=self._s(s))
         g, u, d = stack
+        # bf16 experts: tiles of 8 rows for the tensor-core kernels where they apply (both calls take the same tile)
+        rt = 0 if _is_q(g) else moe.mma_row_tile(x.shape[0], g.shape[2], g.shape[1])
+        moe.group_by_expert(ids, workspace=ws, num_experts=n_experts, row_tile=rt, stream=self._s(s))
         if _is_q(g):
             parts = [(w.packed, w.scales, w.zeros) if w.kind == "int4" else (w.packed, w.scales) for w in stack]
             fn = moe.expert_ffn_int4 if g.kind == "int4" else moe.expert_ffn_mxfp4
             fn(x, *parts, y, workspace=ws, stream=self._s(s))
         else:
-            moe.expert_ffn(x, g, u, d, y, workspace=ws, stream=self._s(s))
+            moe.expert_ffn(x, g, u, d, y, workspace=ws, row_tile=rt, stream=self._s(s))
 
     def moe_combine(self, s, y, topk_w, out, shared=None, shared_gate=None):
         self.launches += 1
