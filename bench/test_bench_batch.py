@@ -119,14 +119,25 @@ def checkpoints():
     return {}
 
 
+def _rows():
+    from vmmstream.model import get_preset
+    return [(m, b) for m in MODELS for b in ("resident", "streamed", "resident-mma")
+            if b != "resident-mma" or get_preset(m).config.is_moe]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("budget", ["resident", "streamed"])
-@pytest.mark.parametrize("model", MODELS)
-def test_bench_batched_decode(benchmark, checkpoints, tmp_path_factory, h2d_gbps, device_rates, model, budget):
+@pytest.mark.parametrize("model,budget", _rows())
+def test_bench_batched_decode(benchmark, checkpoints, tmp_path_factory, h2d_gbps, device_rates, monkeypatch, model,
+                              budget):
+    """``resident-mma``: a mixture's bf16 experts through the tensor-core kernels (``moe.experts.MMA``), resident, in
+    the same run as the SIMT kernels' row."""
     from vmmstream.model import make_checkpoint
+    if budget == "resident-mma":
+        from vmmstream.kernels.moe import experts
+        monkeypatch.setattr(experts, "MMA", True)
     if model not in checkpoints:
         checkpoints[model] = make_checkpoint(model, tmp_path_factory.mktemp(model), seed=0)
-    b = "80%" if budget == "resident" else STREAMED.get(model, 2 * GiB)
+    b = "80%" if budget.startswith("resident") else STREAMED.get(model, 2 * GiB)
     with vmmstream.load_model(checkpoints[model], budget=b, backend="cuda", max_context=PROMPT + NEW + 8,
                               max_batch=max(BATCHES), progress=False) as m:
         rows = [aggregate(m, n) for n in BATCHES]
@@ -139,7 +150,8 @@ def test_bench_batched_decode(benchmark, checkpoints, tmp_path_factory, h2d_gbps
         r["speedup_vs_b1"] = r["aggregate_tok_s"] / base
         r["decode_speedup_vs_b1"] = r["decode_aggregate_tok_s"] / dbase
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
-    benchmark.extra_info.update(model=model, budget=budget if budget == "resident" else f"{b / GiB:g}GiB", strategy=strategy, streamed_bytes_per_step=streamed,
+    benchmark.extra_info.update(model=model, budget=budget if budget.startswith("resident") else f"{b / GiB:g}GiB",
+                                strategy=strategy, streamed_bytes_per_step=streamed,
                                 pinned_h2d_GBps=h2d_gbps, **device_rates, rows=rows)
     print(f"\n{model} {budget} ({strategy}): {json.dumps(rows)}")
 
