@@ -215,28 +215,42 @@ def launch(q, k, v, out, workspace, *, start_pos: int, scale: float, stream=None
     st = [_strides(a) for a in (q, k, v, out)]
     if any(s is None for s in st):
         raise Unsupported("the cuDNN route takes operands whose last axis is packed and rows 16-byte aligned")
-    padded = PADDED and bucket(T) - T <= spare_rows and bucket(n_keys) - n_keys <= spare_keys
-    gt, gk = (bucket(T), bucket(n_keys)) if padded else (T, n_keys)     # the graph's rows
-    spans = [(rows - 1) * r + (h - 1) * hs + d for (r, hs), rows, h in zip(st, (gt, gk, gk, gt),
-                                                                           (hq, hkv, hkv, hq))]
-    if max(spans) >= _SPAN_MAX:
+    # the graphs that can serve the call: its length bucket's (where the caller vouches for the rows past its own),
+    # then its exact shape's; a kept one is taken first, then one is built in that order (never in a capture)
+    shapes = ([(bucket(T), bucket(n_keys), True)]
+              if PADDED and bucket(T) - T <= spare_rows and bucket(n_keys) - n_keys <= spare_keys else [])
+    shapes.append((T, n_keys, False))
+    keys = []
+    for gt, gk, padded in shapes:
+        spans = [(rows - 1) * r + (h - 1) * hs + d for (r, hs), rows, h in zip(st, (gt, gk, gk, gt),
+                                                                               (hq, hkv, hkv, hq))]
+        if max(spans) < _SPAN_MAX:
+            keys.append((gt, gk, hq, hkv, d, float(scale), *st, padded))
+    if not keys:
         raise Unsupported(f"an operand spans {max(spans)} elements, past 2^31")
-    key = (gt, gk, hq, hkv, d, float(scale), *st, padded)
     with _lock:
         graphs = _state["graphs"]
-        g = graphs.get(key)
+        g = next((graphs[k] for k in keys if isinstance(graphs.get(k), _Graph)), None)
         if g is None:
             if _capturing(sh):
                 raise Unsupported("no cuDNN graph for this shape yet, and none is built during a capture")
-            if len(graphs) >= _GRAPHS_MAX:
-                raise Unsupported(f"{_GRAPHS_MAX} cuDNN graphs are kept already")
-            try:
-                g = _Graph(cudnn, _state["handle"], gt, gk, hq, hkv, d, scale, *st, padded=padded)
-            except Exception as e:  # noqa: BLE001  (cudnnGraphNotSupportedError and kin: this shape is not taken)
-                g = f"{type(e).__name__}: {e}"
-            graphs[key] = g                 # a str: why cuDNN refused the shape, remembered
-        if isinstance(g, str):
-            raise Unsupported(f"cuDNN has no SDPA graph for T={T} keys={n_keys} heads={hq}/{hkv} d={d}: {g}")
+            why = []
+            for key in keys:
+                g = graphs.get(key)
+                if g is None:
+                    if len(graphs) >= _GRAPHS_MAX:
+                        raise Unsupported(f"{_GRAPHS_MAX} cuDNN graphs are kept already")
+                    try:
+                        g = _Graph(cudnn, _state["handle"], *key[:2], hq, hkv, d, scale, *st, padded=key[-1])
+                    except Exception as e:  # noqa: BLE001  (cudnnGraphNotSupportedError and kin: not taken)
+                        g = f"{type(e).__name__}: {e}"
+                    graphs[key] = g         # a str: why cuDNN refused the shape, remembered
+                if isinstance(g, _Graph):
+                    break
+                why.append(g)
+            else:
+                raise Unsupported(f"cuDNN has no SDPA graph for T={T} keys={n_keys} heads={hq}/{hkv} d={d}: "
+                                  + "; ".join(why))
         pack = {g.q: data_ptr(q), g.k: data_ptr(k), g.v: data_ptr(v), g.o: data_ptr(out)}
         if g.padded:
             lens = data_ptr(workspace) + WORKSPACE - _LENS

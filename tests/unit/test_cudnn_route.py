@@ -41,6 +41,7 @@ class FakeCudnn:
 
     def __init__(self):
         self.graphs, self.runs, self.streams, self.fail, self.ws = [], [], [], False, 256
+        self.fail_padded = False        # build refuses graphs with the padding mask only
         self.data_type = types.SimpleNamespace(BFLOAT16="bf16", FLOAT="f32", INT32="i32")
         self.diagonal_alignment = types.SimpleNamespace(BOTTOM_RIGHT="bottom_right", TOP_LEFT="top_left")
         self.heur_mode = types.SimpleNamespace(A="A", FALLBACK="FALLBACK")
@@ -61,6 +62,8 @@ class FakeCudnn:
                 return self.tensors["o"], None
 
             def build(self, modes):
+                if fake.fail_padded and self.sdpa_kw.get("use_padding_mask"):
+                    raise RuntimeError("cudnnGraphNotSupportedError: no padding mask with this diagonal")
                 if fake.fail:
                     raise RuntimeError("cudnnGraphNotSupportedError: no engine")
 
@@ -198,6 +201,31 @@ def test_padded_graphs_serve_every_length_of_their_bucket(fake, monkeypatch):
     cudnn_sdpa.launch(q[:2049], k, v, out[:2049], ws, start_pos=0, scale=0.1, stream=None, spare_rows=255,
                       spare_keys=S)
     assert fake.graphs[-1].tensors["q"].kw["dim"][2] == 2049 and len(lens) == 4
+
+
+def test_a_refused_bucket_falls_back_to_the_exact_shape_and_a_capture_takes_any_kept_graph(fake, monkeypatch):
+    """Where cuDNN refuses a bucket's padded graph, the call builds its exact shape (remembered: the bucket is not
+    tried again); a call in a capture takes a kept graph that serves it, padded or exact, and builds nothing."""
+    monkeypatch.setattr(cudnn_sdpa, "PADDED", True)
+    monkeypatch.setattr(cudnn_sdpa, "_set_lengths", lambda *a: None)
+    q, k, v, out, ws = arrays(2304, 4, 1, 64, 4096)
+    fake.fail_padded = True
+    for _ in range(2):
+        cudnn_sdpa.launch(q[:2100], k, v, out[:2100], ws, start_pos=0, scale=0.1, stream=None, spare_rows=204,
+                          spare_keys=1000)
+    assert [g.tensors["q"].kw["dim"][2] for g in fake.graphs] == [2304, 2100] and len(fake.runs) == 2
+    assert "padding mask" in cudnn_sdpa._state["graphs"][(2304, 2304, 4, 1, 64, 0.1, (256, 64), (64, 64), (64, 64),
+                                                         (256, 64), True)]
+    fake.fail_padded = False
+    cudnn_sdpa.launch(q[:2200], k, v, out[:2200], ws, start_pos=0, scale=0.1, stream=None, spare_rows=0,
+                      spare_keys=0)                     # no spare rows: its exact shape, built eagerly
+    fake.capturing["on"] = True
+    cudnn_sdpa.launch(q[:2200], k, v, out[:2200], ws, start_pos=0, scale=0.1, stream=None, spare_rows=104,
+                      spare_keys=1000)                  # in a capture the bucket would do, but only the exact is kept
+    assert len(fake.graphs) == 3 and fake.runs[-1][0] is fake.graphs[2]
+    with pytest.raises(cudnn_sdpa.Unsupported, match="capture"):
+        cudnn_sdpa.launch(q[:2000], k, v, out[:2000], ws, start_pos=0, scale=0.1, stream=None)
+    assert len(fake.graphs) == 3
 
 
 def test_kept_graphs_are_bounded_and_never_destroyed(fake, monkeypatch):

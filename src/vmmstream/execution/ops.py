@@ -287,6 +287,17 @@ class HostOps:
         self._run(s, run)
 
 
+def _capturing(stream) -> bool:
+    """Whether ``stream`` (a Numba stream over our CUstream; None in the simulator) is being captured."""
+    from vmmstream.kernels.base.launch import stream_handle
+    h = stream_handle(stream)
+    if not h:
+        return False
+    from cuda.bindings import driver as cu
+    err, status = cu.cuStreamIsCapturing(h)
+    return err == cu.CUresult.CUDA_SUCCESS and status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
+
 class CudaOps:
     backend = "cuda"
 
@@ -504,10 +515,12 @@ class CudaOps:
         """``session``: the session workspace, for the cuDNN route (long prompts) where it is planned;
         ``spare_rows`` / ``spare_keys``: what that route's length buckets may touch past the call's rows."""
         self.launches += 1
-        route = self.k["attention_prefill"].launch(q, ck, cv, out, ws, start_pos=start_pos, stream=self._s(s),
+        stream = self._s(s)
+        route = self.k["attention_prefill"].launch(q, ck, cv, out, ws, start_pos=start_pos, stream=stream,
                                                    session_workspace=session, spare_rows=spare_rows,
                                                    spare_keys=spare_keys)
-        self.attn_routes[route] += 1
+        if not _capturing(stream):      # a captured launch runs only in its graph's replays (counted as those)
+            self.attn_routes[route] += 1
 
     def attn_decode(self, s, q, ck, cv, seq_len, out, ws):
         self.launches += 1
