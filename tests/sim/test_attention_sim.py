@@ -286,7 +286,7 @@ def test_prefill_cudnn_route_falls_back_to_ours_for_a_refused_shape(switch_inter
     monkeypatch.setattr(ap, "CUDNN_MIN_PAIRS", 1)
     calls = []
 
-    def refuse(q, k, v, out, ws, *, start_pos, scale, stream):
+    def refuse(q, k, v, out, ws, *, start_pos, scale, stream, spare_rows=0, spare_keys=0):
         calls.append((start_pos, scale))
         raise cudnn_sdpa.Unsupported("no engine")
     monkeypatch.setattr(cudnn_sdpa, "launch", refuse)
