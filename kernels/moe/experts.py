@@ -201,6 +201,16 @@ def mma_row_tile(tokens: int, hidden: int, inter: int) -> int:
     return MMA_ROWS if ok else 0
 
 
+@cuda.jit(device=True, inline="always")
+def _mma_tile(tile_expert, tile_row, offsets, tile):
+    """Tile ``tile``'s expert, first grouped row and end, and this lane's grouped row (its n8 column; the last
+    row of a partial tile repeats, its sums dropped)."""
+    e = tile_expert[tile]
+    r0 = tile_row[tile]
+    r_end = min(r0 + MMA_ROWS, offsets[e + 1])
+    return e, r0, r_end, min(r0 + (cuda.threadIdx.x % 32 >> 2), r_end - 1)
+
+
 @functools.lru_cache(maxsize=None)
 def _make_gate_up_mma():
     rows, publish = gm._device(1, True, True)
@@ -216,10 +226,8 @@ def _make_gate_up_mma():
         tile = cuda.blockIdx.x
         if tile >= n_tiles[0]:
             return                  # the whole block
-        e = tile_expert[tile]
-        r0 = tile_row[tile]
-        r_end = min(r0 + MMA_ROWS, offsets[e + 1])
-        xg = perm[min(r0 + (cuda.threadIdx.x % 32 >> 2), r_end - 1)] // top_k     # this lane's token
+        e, r0, r_end, lr = _mma_tile(tile_expert, tile_row, offsets, tile)
+        xg = perm[lr] // top_k          # this lane's token
         row0 = cuda.blockIdx.y * _MR
         rows(wg[e], wu[e], x, xg, row0, n_inter, MMA_ROWS, hidden, acc, mscr)
         publish(red, acc)
@@ -248,10 +256,7 @@ def _make_down_mma(out_bf16: bool):
         tile = cuda.blockIdx.x
         if tile >= n_tiles[0]:
             return
-        e = tile_expert[tile]
-        r0 = tile_row[tile]
-        r_end = min(r0 + MMA_ROWS, offsets[e + 1])
-        xg = min(r0 + (cuda.threadIdx.x % 32 >> 2), r_end - 1)
+        e, r0, r_end, xg = _mma_tile(tile_expert, tile_row, offsets, tile)     # this lane's row of h
         row0 = cuda.blockIdx.y * _MR
         rows(wd[e], wd[e], h, xg, row0, hidden, MMA_ROWS, n_inter, acc, mscr)
         publish(red, acc)
