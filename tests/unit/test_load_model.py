@@ -594,3 +594,26 @@ def test_a_prefill_graph_that_cannot_be_captured_leaves_that_length_eager(small,
             assert s["prefill_graph_captures"] == 0 and s["prefill_graph_replays"] == 0
     finally:
         mem.close()
+
+
+def test_prefill_attention_is_told_the_rows_it_may_touch_past_its_own(tiny):
+    """The dense walk passes prefill attention the rows past its own that a length bucket may read and write (the
+    cuDNN route's ``spare_rows`` / ``spare_keys``): the q / attn buffers' rows past T, and the cache's committed rows
+    past the keys, never more than exist."""
+    seen = []
+    with vmmstream.load_model(tiny, budget=1 << 30, backend="host", max_context=MC, progress=False) as m:
+        ops = m.engine.ops
+        real = ops.attn_prefill
+
+        def spy(s, q, ck, cv, out, ws, start_pos, session=None, spare_rows=0, spare_keys=0):
+            seen.append((q.shape[0], start_pos, spare_rows, spare_keys, ck.shape[0]))
+            return real(s, q, ck, cv, out, ws, start_pos, session=session, spare_rows=spare_rows,
+                        spare_keys=spare_keys)
+        ops.attn_prefill = spy
+        m.generate(PROMPT, 2, eos_token_id=[])
+        tmax, capacity = m.engine.acts.tmax, m.engine.kv.capacity()
+    layers = m.config.num_hidden_layers
+    assert len(seen) == layers
+    for t, start, rows, keys, cache_rows in seen:       # (a short prompt's walk is its padded bucket's length)
+        assert start == 0 and len(PROMPT) <= t < tmax
+        assert rows == tmax - t and keys == capacity - t >= 0 and capacity <= cache_rows
