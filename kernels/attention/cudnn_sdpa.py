@@ -32,6 +32,7 @@ kernel module's.
 
 from __future__ import annotations
 
+import math
 import threading
 
 from vmmstream.kernels.base.launch import data_ptr, stream_handle as _stream_handle
@@ -72,12 +73,19 @@ def _lib():
         return _state["lib"]
 
 
-def prewarm(hq: int, hkv: int, d: int, make_current=None) -> threading.Thread | None:
+PREWARM_UP_TO = 4096      # with ``PADDED``: the start thread also builds the buckets of prompts up to this long
+
+
+def prewarm(hq: int, hkv: int, d: int, make_current=None, *, cache_row: int = 0,
+            max_tokens: int = 0) -> threading.Thread | None:
     """Start cuDNN on a thread of its own (its first graph in a process costs about a second, most of it loading
     the library's engines), so that a model's first long prompt does not wait for it: called while a model
     loads. ``make_current``: makes the model's CUDA context current on that thread. The thread holds the lock a
     launch takes, so a launch meanwhile waits for it; a failure here is kept (``unavailable_reason``), never
-    raised. Returns the thread (None where one already ran)."""
+    raised. Returns the thread (None where one already ran). With ``PADDED``, ``cache_row`` (the elements between
+    a layer's consecutive cache rows) and ``max_tokens`` (the longest prompt a walk takes): the graphs of the
+    prompt buckets from the route's threshold up to ``PREWARM_UP_TO`` tokens are built there too, each under the
+    key a launch from a prompt's start will look for."""
     with _lock:
         if "prewarm" in _state:
             return None
@@ -92,6 +100,17 @@ def prewarm(hq: int, hkv: int, d: int, make_current=None) -> threading.Thread | 
                 with _lock:
                     _Graph(cudnn, _state["handle"], 256, 256, hq, hkv, d, 1.0 / d ** 0.5,
                            (hq * d, d), (hkv * d, d), (hkv * d, d), (hq * d, d))
+                for T in prewarm_buckets(max_tokens if PADDED and cache_row else 0):
+                    st = ((hq * d, d), (cache_row, d), (cache_row, d), (hq * d, d))
+                    key = (T, T, hq, hkv, d, 1.0 / math.sqrt(d), *st, True)      # prefill.launch's scale
+                    with _lock:
+                        graphs = _state["graphs"]
+                        if key not in graphs and len(graphs) < _GRAPHS_MAX:
+                            try:
+                                graphs[key] = _Graph(cudnn, _state["handle"], T, T, hq, hkv, d, key[5], *st,
+                                                     padded=True)
+                            except Exception as e:  # noqa: BLE001  (remembered, as a launch would)
+                                graphs[key] = f"{type(e).__name__}: {e}"
         except Exception as e:  # noqa: BLE001  (a launch will meet the same problem and fall back)
             _state["prewarm_error"] = f"{type(e).__name__}: {e}"
 
@@ -99,6 +118,19 @@ def prewarm(hq: int, hkv: int, d: int, make_current=None) -> threading.Thread | 
     _state["prewarm"] = t
     t.start()
     return t
+
+
+def prewarm_buckets(max_tokens: int) -> list[int]:
+    """The bucket lengths ``prewarm`` builds for prompts of up to ``max_tokens`` tokens (none without)."""
+    from vmmstream.kernels.attention.prefill import CUDNN_MIN_QUERIES, CUDNN_MIN_PAIRS
+    first = max(CUDNN_MIN_QUERIES, math.isqrt(2 * CUDNN_MIN_PAIRS))       # the shortest prompt the route takes
+    out, n = [], first
+    while n <= min(max_tokens, PREWARM_UP_TO):
+        b = bucket(n)
+        if b <= max_tokens:
+            out.append(b)
+        n = b + 1
+    return out
 
 
 def join_prewarm(timeout: float = 60.0) -> None:

@@ -312,6 +312,33 @@ def test_prewarm_starts_cudnn_once_on_its_own_thread(fake):
     assert "no engine" in cudnn_sdpa._state["prewarm_error"]
 
 
+def test_prewarm_builds_the_prompt_buckets_a_walk_will_look_for(fake, monkeypatch):
+    """With ``PADDED``: the start thread also builds the buckets of prompts from the route's threshold up to the
+    walk's length (at most ``PREWARM_UP_TO``), under the keys a launch at a prompt's start looks them up by (our q
+    layout, the model's cache rows, prefill's scale), so those prompts build nothing."""
+    import math
+    monkeypatch.setattr(cudnn_sdpa, "PADDED", True)
+    monkeypatch.setattr(cudnn_sdpa, "_set_lengths", lambda *a: None)
+    hq, hkv, d, layers = 4, 1, 64, 3
+    row = layers * 2 * hkv * d
+    cudnn_sdpa.prewarm(hq, hkv, d, cache_row=row, max_tokens=3000).join(5)
+    built = [g.tensors["q"].kw["dim"][2] for g in fake.graphs[1:]]
+    assert built == cudnn_sdpa.prewarm_buckets(3000) == [2048, 2304, 2560, 2816]
+    assert all(g.sdpa_kw.get("use_padding_mask") for g in fake.graphs[1:])
+    q = np.zeros((3000, hq, d), np.uint16)
+    cache = np.zeros((3000, layers, 2, hkv, d), np.uint16)
+    ws = np.zeros(cudnn_sdpa.WORKSPACE, np.uint8)
+    n = len(fake.graphs)
+    for T in (2048, 2100, 2816):
+        cudnn_sdpa.launch(q[:T], cache[:, 1, 0], cache[:, 1, 1], q[:T], ws, start_pos=0, scale=1.0 / math.sqrt(d),
+                          stream=None, spare_rows=3000 - T, spare_keys=3000 - T)
+    assert len(fake.graphs) == n and len(fake.runs) == 3          # all three found built
+    cudnn_sdpa._state.pop("prewarm")
+    monkeypatch.setattr(cudnn_sdpa, "PADDED", False)              # off: only the engines' start graph
+    cudnn_sdpa.prewarm(hq, hkv, d, cache_row=row, max_tokens=3000).join(5)
+    assert len(fake.graphs) == n + 1
+
+
 def test_installed_is_answered_without_loading(monkeypatch):
     import importlib.util
     monkeypatch.setattr(cudnn_sdpa, "_state", {})
