@@ -76,16 +76,16 @@ def _lib():
 PREWARM_UP_TO = 4096      # with ``PADDED``: the start thread also builds the buckets of prompts up to this long
 
 
-def prewarm(hq: int, hkv: int, d: int, make_current=None, *, cache_row: int = 0,
-            max_tokens: int = 0) -> threading.Thread | None:
+def prewarm(hq: int, hkv: int, d: int, make_current=None, *, cache_row: int = 0, max_tokens: int = 0,
+            min_tokens: int = 0) -> threading.Thread | None:
     """Start cuDNN on a thread of its own (its first graph in a process costs about a second, most of it loading
     the library's engines), so that a model's first long prompt does not wait for it: called while a model
     loads. ``make_current``: makes the model's CUDA context current on that thread. The thread holds the lock a
     launch takes, so a launch meanwhile waits for it; a failure here is kept (``unavailable_reason``), never
     raised. Returns the thread (None where one already ran). With ``PADDED``, ``cache_row`` (the elements between
-    a layer's consecutive cache rows) and ``max_tokens`` (the longest prompt a walk takes): the graphs of the
-    prompt buckets from the route's threshold up to ``PREWARM_UP_TO`` tokens are built there too, each under the
-    key a launch from a prompt's start will look for."""
+    a layer's consecutive cache rows), ``max_tokens`` (the longest prompt a walk takes) and ``min_tokens`` (the
+    shortest the route takes): the graphs of the prompt buckets between them, up to ``PREWARM_UP_TO`` tokens, are
+    built there too, each under the key a launch from a prompt's start will look for."""
     with _lock:
         if "prewarm" in _state:
             return None
@@ -100,7 +100,7 @@ def prewarm(hq: int, hkv: int, d: int, make_current=None, *, cache_row: int = 0,
                 with _lock:
                     _Graph(cudnn, _state["handle"], 256, 256, hq, hkv, d, 1.0 / d ** 0.5,
                            (hq * d, d), (hkv * d, d), (hkv * d, d), (hq * d, d))
-                for T in prewarm_buckets(max_tokens if PADDED and cache_row else 0):
+                for T in prewarm_buckets(max_tokens if PADDED and cache_row else 0, min_tokens):
                     st = ((hq * d, d), (cache_row, d), (cache_row, d), (hq * d, d))
                     key = (T, T, hq, hkv, d, 1.0 / math.sqrt(d), *st, True)      # prefill.launch's scale
                     with _lock:
@@ -120,11 +120,10 @@ def prewarm(hq: int, hkv: int, d: int, make_current=None, *, cache_row: int = 0,
     return t
 
 
-def prewarm_buckets(max_tokens: int) -> list[int]:
-    """The bucket lengths ``prewarm`` builds for prompts of up to ``max_tokens`` tokens (none without)."""
-    from vmmstream.kernels.attention.prefill import CUDNN_MIN_QUERIES, CUDNN_MIN_PAIRS
-    first = max(CUDNN_MIN_QUERIES, math.isqrt(2 * CUDNN_MIN_PAIRS))       # the shortest prompt the route takes
-    out, n = [], first
+def prewarm_buckets(max_tokens: int, min_tokens: int) -> list[int]:
+    """The bucket lengths ``prewarm`` builds for prompts of ``min_tokens`` (the shortest the route takes) up to
+    ``max_tokens`` tokens."""
+    out, n = [], max(1, min_tokens)
     while n <= min(max_tokens, PREWARM_UP_TO):
         b = bucket(n)
         if b <= max_tokens:

@@ -71,6 +71,11 @@ CUDNN_MIN_PAIRS = 2048 * 2049 // 2
 CUDNN_MIN_QUERIES = 256
 
 
+def cudnn_min_prompt() -> int:
+    """The shortest prompt (from position 0) the cuDNN route takes."""
+    return max(CUDNN_MIN_QUERIES, math.isqrt(2 * CUDNN_MIN_PAIRS))
+
+
 def _prefer_cudnn() -> bool:
     # opt-in: checked on an H100 in kernels and in a model's walk (run 12-07 l), and faster for a length seen
     # before, but each new prompt length builds a graph (40-70 ms), which a server's varied prompts would pay

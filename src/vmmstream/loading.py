@@ -204,7 +204,8 @@ class Placement:
                 # one sequence's cache: a layer's rows are a whole position's row apart (KVCache's layout)
                 row = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim if plan.batch == 1 else 0
                 cudnn_sdpa.prewarm(c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                   getattr(ops.driver, "make_current", None), cache_row=row, max_tokens=tmax)
+                                   getattr(ops.driver, "make_current", None), cache_row=row, max_tokens=tmax,
+                                   min_tokens=prefill.cudnn_min_prompt())
         self.weights = Weights(mem, ops, plan, checkpoint, self.holder, copy_stream, progress=progress)
         if ops.backend == "cuda":     # the cuDNN start (if any) is over before anything is captured or closed
             from vmmstream.kernels.attention import cudnn_sdpa

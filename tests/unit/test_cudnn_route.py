@@ -321,9 +321,12 @@ def test_prewarm_builds_the_prompt_buckets_a_walk_will_look_for(fake, monkeypatc
     monkeypatch.setattr(cudnn_sdpa, "_set_lengths", lambda *a: None)
     hq, hkv, d, layers = 4, 1, 64, 3
     row = layers * 2 * hkv * d
-    cudnn_sdpa.prewarm(hq, hkv, d, cache_row=row, max_tokens=3000).join(5)
+    first = ap.cudnn_min_prompt()
+    assert first == 2048 and ap.cudnn_takes(first, hq, hkv, d) and not ap.cudnn_takes(first - 1, hq, hkv, d)
+    cudnn_sdpa.prewarm(hq, hkv, d, cache_row=row, max_tokens=3000, min_tokens=first).join(5)
     built = [g.tensors["q"].kw["dim"][2] for g in fake.graphs[1:]]
-    assert built == cudnn_sdpa.prewarm_buckets(3000) == [2048, 2304, 2560, 2816]
+    assert built == cudnn_sdpa.prewarm_buckets(3000, first) == [2048, 2304, 2560, 2816]
+    assert cudnn_sdpa.prewarm_buckets(8192, first)[-1] == cudnn_sdpa.PREWARM_UP_TO
     assert all(g.sdpa_kw.get("use_padding_mask") for g in fake.graphs[1:])
     q = np.zeros((3000, hq, d), np.uint16)
     cache = np.zeros((3000, layers, 2, hkv, d), np.uint16)
@@ -335,7 +338,7 @@ def test_prewarm_builds_the_prompt_buckets_a_walk_will_look_for(fake, monkeypatc
     assert len(fake.graphs) == n and len(fake.runs) == 3          # all three found built
     cudnn_sdpa._state.pop("prewarm")
     monkeypatch.setattr(cudnn_sdpa, "PADDED", False)              # off: only the engines' start graph
-    cudnn_sdpa.prewarm(hq, hkv, d, cache_row=row, max_tokens=3000).join(5)
+    cudnn_sdpa.prewarm(hq, hkv, d, cache_row=row, max_tokens=3000, min_tokens=first).join(5)
     assert len(fake.graphs) == n + 1
 
 
