@@ -32,10 +32,9 @@ kernel module's.
 
 from __future__ import annotations
 
-import math
 import threading
 
-from vmmstream.kernels.base.launch import data_ptr, stream_handle as _stream_handle
+from vmmstream.kernels.base.launch import capturing as _capturing, data_ptr, stream_handle as _stream_handle
 from vmmstream.kernels.base.workspace import Lifetime, WorkspaceRequirement, check_view
 
 CAPTURE_SAFE = True       # once a shape's graph exists: no allocation, no synchronize (checked by a captured replay)
@@ -77,15 +76,16 @@ PREWARM_UP_TO = 4096      # with ``PADDED``: the start thread also builds the bu
 
 
 def prewarm(hq: int, hkv: int, d: int, make_current=None, *, cache_row: int = 0, max_tokens: int = 0,
-            min_tokens: int = 0) -> threading.Thread | None:
+            min_tokens: int = 0, scale: float | None = None) -> threading.Thread | None:
     """Start cuDNN on a thread of its own (its first graph in a process costs about a second, most of it loading
     the library's engines), so that a model's first long prompt does not wait for it: called while a model
     loads. ``make_current``: makes the model's CUDA context current on that thread. The thread holds the lock a
     launch takes, so a launch meanwhile waits for it; a failure here is kept (``unavailable_reason``), never
     raised. Returns the thread (None where one already ran). With ``PADDED``, ``cache_row`` (the elements between
-    a layer's consecutive cache rows), ``max_tokens`` (the longest prompt a walk takes) and ``min_tokens`` (the
-    shortest the route takes): the graphs of the prompt buckets between them, up to ``PREWARM_UP_TO`` tokens, are
-    built there too, each under the key a launch from a prompt's start will look for."""
+    a layer's consecutive cache rows), ``max_tokens`` (the longest prompt a walk takes), ``min_tokens`` (the
+    shortest the route takes) and ``scale`` (the one the model's launches pass): the graphs of the prompt buckets
+    between them, up to ``PREWARM_UP_TO`` tokens, are built there too, each under the key a launch from a prompt's
+    start will look for."""
     with _lock:
         if "prewarm" in _state:
             return None
@@ -100,17 +100,12 @@ def prewarm(hq: int, hkv: int, d: int, make_current=None, *, cache_row: int = 0,
                 with _lock:
                     _Graph(cudnn, _state["handle"], 256, 256, hq, hkv, d, 1.0 / d ** 0.5,
                            (hq * d, d), (hkv * d, d), (hkv * d, d), (hq * d, d))
-                for T in prewarm_buckets(max_tokens if PADDED and cache_row else 0, min_tokens):
-                    st = ((hq * d, d), (cache_row, d), (cache_row, d), (hq * d, d))
-                    key = (T, T, hq, hkv, d, 1.0 / math.sqrt(d), *st, True)      # prefill.launch's scale
+                st = ((hq * d, d), (cache_row, d), (cache_row, d), (hq * d, d))
+                for T in prewarm_buckets(max_tokens if PADDED and cache_row and scale else 0, min_tokens):
                     with _lock:
-                        graphs = _state["graphs"]
-                        if key not in graphs and len(graphs) < _GRAPHS_MAX:
-                            try:
-                                graphs[key] = _Graph(cudnn, _state["handle"], T, T, hq, hkv, d, key[5], *st,
-                                                     padded=True)
-                            except Exception as e:  # noqa: BLE001  (remembered, as a launch would)
-                                graphs[key] = f"{type(e).__name__}: {e}"
+                        key = _key(T, T, hq, hkv, d, scale, st, True)
+                        if key not in _state["graphs"] and len(_state["graphs"]) < _GRAPHS_MAX:
+                            _kept(cudnn, key, st)
         except Exception as e:  # noqa: BLE001  (a launch will meet the same problem and fall back)
             _state["prewarm_error"] = f"{type(e).__name__}: {e}"
 
@@ -200,6 +195,22 @@ class _Graph:
         self.graph = g
 
 
+def _key(rows, keys, hq, hkv, d, scale, st, padded) -> tuple:
+    """A kept graph's key: its rows, heads, head dim, scale, the operands' strides, and whether it is padded."""
+    return (rows, keys, hq, hkv, d, float(scale), *st, padded)
+
+
+def _kept(cudnn, key, st):
+    """Build the graph of ``key`` (under ``_lock``) and keep it, or keep why cuDNN refused it (a str); returns it."""
+    rows, keys, hq, hkv, d, scale = key[:6]
+    try:
+        g = _Graph(cudnn, _state["handle"], rows, keys, hq, hkv, d, scale, *st, padded=key[-1])
+    except Exception as e:  # noqa: BLE001  (cudnnGraphNotSupportedError and kin: this shape is not taken)
+        g = f"{type(e).__name__}: {e}"
+    _state["graphs"][key] = g
+    return g
+
+
 def _set_lengths(lens_ptr: int, T: int, n_keys: int, stream_handle: int) -> None:
     """The padded graph's real lengths, written on the stream (two memset nodes in a capture: no host memory)."""
     from cuda.bindings import driver as cu
@@ -216,12 +227,6 @@ def _strides(a) -> tuple[int, int] | None:
     if st is None or len(st) != 3 or st[2] != 2 or st[0] % 16 or st[1] % 16:
         return None
     return st[0] // 2, st[1] // 2
-
-
-def _capturing(stream_handle: int) -> bool:
-    from cuda.bindings import driver as cu
-    err, status = cu.cuStreamIsCapturing(stream_handle)
-    return err != cu.CUresult.CUDA_SUCCESS or status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
 
 
 def launch(q, k, v, out, workspace, *, start_pos: int, scale: float, stream=None, spare_rows: int = 0,
@@ -256,7 +261,7 @@ def launch(q, k, v, out, workspace, *, start_pos: int, scale: float, stream=None
         spans = [(rows - 1) * r + (h - 1) * hs + d for (r, hs), rows, h in zip(st, (gt, gk, gk, gt),
                                                                                (hq, hkv, hkv, hq))]
         if max(spans) < _SPAN_MAX:
-            keys.append((gt, gk, hq, hkv, d, float(scale), *st, padded))
+            keys.append(_key(gt, gk, hq, hkv, d, scale, st, padded))
     if not keys:
         raise Unsupported(f"an operand spans {max(spans)} elements, past 2^31")
     with _lock:
@@ -271,11 +276,7 @@ def launch(q, k, v, out, workspace, *, start_pos: int, scale: float, stream=None
                 if g is None:
                     if len(graphs) >= _GRAPHS_MAX:
                         raise Unsupported(f"{_GRAPHS_MAX} cuDNN graphs are kept already")
-                    try:
-                        g = _Graph(cudnn, _state["handle"], *key[:2], hq, hkv, d, scale, *st, padded=key[-1])
-                    except Exception as e:  # noqa: BLE001  (cudnnGraphNotSupportedError and kin: not taken)
-                        g = f"{type(e).__name__}: {e}"
-                    graphs[key] = g         # a str: why cuDNN refused the shape, remembered
+                    g = _kept(cudnn, key, st)       # a str: why cuDNN refused the shape, remembered
                 if isinstance(g, _Graph):
                     break
                 why.append(g)

@@ -48,12 +48,17 @@ LOG2E = 1.4426950408889634
 
 # ----------------------------------------------------------------------------- host side
 
+def default_scale(D: int) -> float:
+    """The attention scale when none is given: 1 / sqrt(head_dim)."""
+    return 1.0 / math.sqrt(D)
+
+
 def reference(q, k, v, *, start_pos=0, scale=None):
     """NumPy reference. Inputs are bf16 bit patterns (uint16); returns fp32 ``[T, Hq, D]``."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     n_keys = start_pos + T
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    scale = default_scale(D) if scale is None else scale
     qf = bf16_to_f32(q).astype(np.float64).transpose(1, 0, 2)                        # [Hq, T, D]
     kf = np.repeat(bf16_to_f32(k[:n_keys]).astype(np.float64), Hq // Hkv, axis=1)   # [Sk, Hq, D]
     vf = np.repeat(bf16_to_f32(v[:n_keys]).astype(np.float64), Hq // Hkv, axis=1)
@@ -737,7 +742,7 @@ def launch(q, k, v, out, workspace, *, start_pos=0, scale=None, route=None, stre
     n_keys = start_pos + T
     if Hq % Hkv or k.shape[2] != D or v.shape != k.shape or out.shape != q.shape or S < n_keys:
         raise ValueError(f"prefill shapes q{q.shape} k{k.shape} v{v.shape} out{out.shape} start_pos={start_pos}")
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    scale = default_scale(D) if scale is None else float(scale)
     asked = route
     sw = 0 if session_workspace is None else session_workspace.shape[0] * session_workspace.dtype.itemsize
     route = route or choose_route(T, Hq, Hkv, D, start_pos=start_pos, session_workspace_bytes=sw)

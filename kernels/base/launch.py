@@ -87,6 +87,17 @@ def stream_handle(stream) -> int:
     return int(h or 0)
 
 
+def capturing(stream) -> bool:
+    """Whether ``stream`` (as ``stream_handle`` takes it) is being captured into a CUDA graph; the default stream
+    (and the simulator's None) never is. A failed query counts as capturing: nothing is built or started then."""
+    h = stream_handle(stream)
+    if not h:
+        return False
+    from cuda.bindings import driver as cu
+    err, status = cu.cuStreamIsCapturing(h)
+    return err != cu.CUresult.CUDA_SUCCESS or status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
+
 def data_ptr(a) -> int:
     cai = getattr(a, "__cuda_array_interface__", None)
     if cai is not None:

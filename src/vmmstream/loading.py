@@ -202,10 +202,10 @@ class Placement:
             if prefill.session_requirement(plan.max_context, c.num_attention_heads, c.num_key_value_heads,
                                            c.head_dim).bytes:
                 # one sequence's cache: a layer's rows are a whole position's row apart (KVCache's layout)
-                row = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim if plan.batch == 1 else 0
+                row = floor.kv_row_bytes(c) // 2 if plan.batch == 1 else 0     # elements (bf16)
                 cudnn_sdpa.prewarm(c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                                    getattr(ops.driver, "make_current", None), cache_row=row, max_tokens=tmax,
-                                   min_tokens=prefill.cudnn_min_prompt())
+                                   min_tokens=prefill.cudnn_min_prompt(), scale=prefill.default_scale(c.head_dim))
         self.weights = Weights(mem, ops, plan, checkpoint, self.holder, copy_stream, progress=progress)
         if ops.backend == "cuda":     # the cuDNN start (if any) is over before anything is captured or closed
             from vmmstream.kernels.attention import cudnn_sdpa
@@ -300,8 +300,7 @@ def kv_stride(config, max_context: int, batch: int, granularity: int = floor.GRA
     """Positions per sequence range of the KV cache (a batch's ranges are whole granules)."""
     if batch == 1:
         return max_context
-    row = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
-    return floor.slot_stride(max_context, row, granularity)
+    return floor.slot_stride(max_context, floor.kv_row_bytes(config), granularity)
 
 
 def _check_cuda_shapes(c) -> None:

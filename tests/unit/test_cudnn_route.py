@@ -323,7 +323,8 @@ def test_prewarm_builds_the_prompt_buckets_a_walk_will_look_for(fake, monkeypatc
     row = layers * 2 * hkv * d
     first = ap.cudnn_min_prompt()
     assert first == 2048 and ap.cudnn_takes(first, hq, hkv, d) and not ap.cudnn_takes(first - 1, hq, hkv, d)
-    cudnn_sdpa.prewarm(hq, hkv, d, cache_row=row, max_tokens=3000, min_tokens=first).join(5)
+    cudnn_sdpa.prewarm(hq, hkv, d, cache_row=row, max_tokens=3000, min_tokens=first,
+                       scale=ap.default_scale(d)).join(5)
     built = [g.tensors["q"].kw["dim"][2] for g in fake.graphs[1:]]
     assert built == cudnn_sdpa.prewarm_buckets(3000, first) == [2048, 2304, 2560, 2816]
     assert cudnn_sdpa.prewarm_buckets(8192, first)[-1] == cudnn_sdpa.PREWARM_UP_TO
@@ -338,7 +339,8 @@ def test_prewarm_builds_the_prompt_buckets_a_walk_will_look_for(fake, monkeypatc
     assert len(fake.graphs) == n and len(fake.runs) == 3          # all three found built
     cudnn_sdpa._state.pop("prewarm")
     monkeypatch.setattr(cudnn_sdpa, "PADDED", False)              # off: only the engines' start graph
-    cudnn_sdpa.prewarm(hq, hkv, d, cache_row=row, max_tokens=3000, min_tokens=first).join(5)
+    cudnn_sdpa.prewarm(hq, hkv, d, cache_row=row, max_tokens=3000, min_tokens=first,
+                       scale=ap.default_scale(d)).join(5)
     assert len(fake.graphs) == n + 1
 
 

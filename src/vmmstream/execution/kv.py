@@ -15,6 +15,7 @@ import numpy as np
 
 from ..errors import Attempts, VmmstreamError
 from ..interrupts import uninterruptible
+from ..planning.floor import kv_row_bytes
 
 MAX_CHUNKS = 8
 
@@ -66,7 +67,7 @@ class KVCache(LayerViews):
         self.mem, self.ops, self.holder = mem, ops, holder
         self.layers, self.hkv, self.d = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
         self.max_context = plan.max_context
-        self.row_bytes = self.layers * 2 * self.hkv * self.d * 2
+        self.row_bytes = kv_row_bytes(config)
         self.size = plan.kv_bytes
         if self.row_bytes * self.max_context > self.size:   # pragma: no cover - the plan's formula
             raise VmmstreamError("KV plan is smaller than its layout")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from ..errors import VmmstreamError
 from ..interrupts import uninterruptible
-from ..planning.floor import slot_stride
+from ..planning.floor import kv_row_bytes, slot_stride
 from .kv import LayerViews, layer_views, release_blocks
 
 MAX_CHUNKS = 8
@@ -35,7 +35,7 @@ class BatchKV(LayerViews):
         self.mem, self.ops, self.holder = mem, ops, holder
         self.layers, self.hkv, self.d = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
         self.max_context, self.slots = max_context, slots
-        self.row_bytes = self.layers * 2 * self.hkv * self.d * 2
+        self.row_bytes = kv_row_bytes(config)
         g = mem.granularity
         self.stride = slot_stride(max_context, self.row_bytes, g)
         self.slot_bytes = self.stride * self.row_bytes

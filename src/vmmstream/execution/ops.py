@@ -287,17 +287,6 @@ class HostOps:
         self._run(s, run)
 
 
-def _capturing(stream) -> bool:
-    """Whether ``stream`` (a Numba stream over our CUstream; None in the simulator) is being captured."""
-    from vmmstream.kernels.base.launch import stream_handle
-    h = stream_handle(stream)
-    if not h:
-        return False
-    from cuda.bindings import driver as cu
-    err, status = cu.cuStreamIsCapturing(h)
-    return err == cu.CUresult.CUDA_SUCCESS and status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
-
-
 class CudaOps:
     backend = "cuda"
 
@@ -519,7 +508,8 @@ class CudaOps:
         route = self.k["attention_prefill"].launch(q, ck, cv, out, ws, start_pos=start_pos, stream=stream,
                                                    session_workspace=session, spare_rows=spare_rows,
                                                    spare_keys=spare_keys)
-        if not _capturing(stream):      # a captured launch runs only in its graph's replays (counted as those)
+        from vmmstream.kernels.base.launch import capturing
+        if not capturing(stream):       # a captured launch runs only in its graph's replays (counted as those)
             self.attn_routes[route] += 1
 
     def attn_decode(self, s, q, ck, cv, seq_len, out, ws):

@@ -24,6 +24,11 @@ def round_up(n: int, granularity: int) -> int:
     return -(-int(n) // granularity) * granularity
 
 
+def kv_row_bytes(config) -> int:
+    """One position of the KV cache: K and V of every layer (bf16), the layers of a position side by side."""
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * BF16
+
+
 def kv_cache_bytes(config, max_context: int, batch: int, granularity: int) -> int:
     """K and V for every layer at ``max_context`` positions of ``batch`` sequences, bf16, one arena:
 
@@ -31,7 +36,7 @@ def kv_cache_bytes(config, max_context: int, batch: int, granularity: int) -> in
     ``batch`` ranges of ``slot_stride`` positions each (whole granules per sequence, so each maps and unmaps its
     own pages: ``execution/kv_batch.py``).
     """
-    row = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * BF16
+    row = kv_row_bytes(config)
     if batch == 1:
         return round_up(row * max_context, granularity)
     return batch * slot_stride(max_context, row, granularity) * row
