@@ -129,11 +129,11 @@ def _rows():
 @pytest.mark.parametrize("model,budget", _rows())
 def test_bench_batched_decode(benchmark, checkpoints, tmp_path_factory, h2d_gbps, device_rates, monkeypatch, model,
                               budget):
-    """``resident-mma``: a mixture's bf16 experts through the tensor-core kernels (``moe.experts.MMA``), resident, in
+    """``resident-mma``: a mixture's bf16 experts through the tensor-core kernels (``moe.experts_mma.MMA``), resident, in
     the same run as the SIMT kernels' row."""
     from vmmstream.model import make_checkpoint
     if budget == "resident-mma":
-        from vmmstream.kernels.moe import experts
+        from vmmstream.kernels.moe import experts_mma as experts
         monkeypatch.setattr(experts, "MMA", True)
     if model not in checkpoints:
         checkpoints[model] = make_checkpoint(model, tmp_path_factory.mktemp(model), seed=0)

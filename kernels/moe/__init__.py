@@ -40,9 +40,10 @@ grouped GEMM. Expert-parallel sharding is not handled.
 from __future__ import annotations
 
 from vmmstream.kernels.moe.combine import _make_combine, combine
-from vmmstream.kernels.moe import experts  # noqa: F401  (moe.experts.MMA: the tensor-core switch)
-from vmmstream.kernels.moe.experts import (INT4, MXFP4, SMEM_X, MoeConfig, _make_down, _make_down_mma, _make_gate_up,
-    _make_gate_up_mma, _make_q, expert_ffn, expert_ffn_int4, expert_ffn_mxfp4, mma_row_tile, quantize_experts)
+from vmmstream.kernels.moe import experts_mma  # noqa: F401  (moe.experts_mma.MMA: the tensor-core switch)
+from vmmstream.kernels.moe.experts import (INT4, MXFP4, SMEM_X, MoeConfig, _make_down, _make_gate_up, _make_q,
+    expert_ffn, expert_ffn_int4, expert_ffn_mxfp4, quantize_experts)
+from vmmstream.kernels.moe.experts_mma import _make_down_mma, _make_gate_up_mma, mma_row_tile
 from vmmstream.kernels.moe.reference import (reference_combine, reference_experts, reference_experts_int4,
     reference_experts_mxfp4, reference_group, reference_moe, reference_router)
 from vmmstream.kernels.moe.route import (MAX_EXPERTS, MAX_TOPK, MIXTRAL, QWEN, SCORING, Routing, _layout,

@@ -253,9 +253,9 @@ def test_batched_decode_of_a_mixture_of_experts_on_cuda(driver, tmp_path, arch, 
 
 
 def test_batched_decode_of_a_mixture_through_the_tensor_core_experts(driver, tmp_path, monkeypatch):
-    """``moe.experts.MMA``, every expert resident, 9 sequences a step (tiles of 8 rows in the step's graph) and a
+    """``moe.experts_mma.MMA``, every expert resident, 9 sequences a step (tiles of 8 rows in the step's graph) and a
     9-token prompt (the prefill's tiles): each sequence's tokens equal its own alone."""
-    from vmmstream.kernels.moe import experts
+    from vmmstream.kernels.moe import experts_mma as experts
     monkeypatch.setattr(experts, "MMA", True)
     made, real = [], experts._make_gate_up_mma
     monkeypatch.setattr(experts, "_make_gate_up_mma", lambda: made.append(1) or real())

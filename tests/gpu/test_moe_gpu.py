@@ -170,9 +170,9 @@ def test_captured_moe_decode_replays_match_eager(stream):
 
 @pytest.mark.parametrize("t,y_dtype", [(32, np.float32), (16, np.uint16), (9, np.float32)])
 def test_moe_tensor_core_experts_at_the_presets_shape(stream, monkeypatch, t, y_dtype):
-    """``moe.experts.MMA``: a batch's routed experts through the tensor-core kernels (tiles of 8 rows), the 4.7B
+    """``moe.experts_mma.MMA``: a batch's routed experts through the tensor-core kernels (tiles of 8 rows), the 4.7B
     preset's shapes; h and y against the reference with the SIMT kernels' slack."""
-    monkeypatch.setattr(moe.experts, "MMA", True)
+    monkeypatch.setattr(moe.experts_mma, "MMA", True)
     e, k, h, i = 8, 2, 2048, 5632
     assert moe.mma_row_tile(t, h, i) == 8
     rng = np.random.default_rng(t * 7 + 3)

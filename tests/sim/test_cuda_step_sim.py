@@ -164,9 +164,9 @@ def test_moe_cuda_step_matches_host(tmp_path, monkeypatch, where, quantize):
 
 
 def test_moe_prefill_through_the_tensor_core_experts(tmp_path, monkeypatch):
-    """``moe.experts.MMA``: a prefill of 9 tokens with every expert resident runs the experts' tensor-core kernels
+    """``moe.experts_mma.MMA``: a prefill of 9 tokens with every expert resident runs the experts' tensor-core kernels
     (tiles of 8 rows, K in chunks of 64) inside the model; tokens and logits as the host backend's."""
-    from vmmstream.kernels.moe import experts
+    from vmmstream.kernels.moe import experts_mma as experts
     monkeypatch.setattr(experts, "MMA", True)
     made = []
     real = experts._make_gate_up_mma

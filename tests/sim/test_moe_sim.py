@@ -210,10 +210,10 @@ def test_moe_chain_bf16(t, e, k, h, i, y_dtype, scoring, norm, rpb):
 
 @pytest.mark.parametrize("y_dtype", [np.float32, np.uint16])
 def test_expert_ffn_tensor_core_tiles(monkeypatch, y_dtype):
-    """``MMA``: tiles of 8 grouped rows through ``gemv_mma``'s block body (16 weight rows a block, K in chunks of
-    64): an expert with more than 8 rows (two tiles, the second partial), experts with one row, a permutation that
-    is not the identity; h and y against the reference, like the SIMT kernels' (the same checks)."""
-    monkeypatch.setattr(moe.experts, "MMA", True)
+    """``moe.experts_mma.MMA``: tiles of 8 grouped rows through ``gemv_mma``'s block body (16 weight rows a block, K in
+    chunks of 64): an expert with more than 8 rows (two tiles, the second partial), experts with one row, a
+    permutation that is not the identity; h and y against the reference, like the SIMT kernels' (the same checks)."""
+    monkeypatch.setattr(moe.experts_mma, "MMA", True)
     rng = np.random.default_rng(31)
     t, k, e, h, i = 12, 2, 4, 128, 64
     assert moe.mma_row_tile(t, h, i) == 8 and moe.mma_row_tile(t, h, 72) == 0 and moe.mma_row_tile(4, h, i) == 0
