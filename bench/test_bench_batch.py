@@ -121,8 +121,8 @@ def checkpoints():
 
 def _rows():
     from vmmstream.model import get_preset
-    return [(m, b) for m in MODELS for b in ("resident", "streamed", "resident-mma")
-            if b != "resident-mma" or get_preset(m).config.is_moe]
+    return [(m, b) for m in MODELS for b in ("resident", "streamed", "resident-mma", "streamed-graph")
+            if b in ("resident", "streamed") or get_preset(m).config.is_moe]
 
 
 @pytest.mark.gpu
@@ -130,11 +130,15 @@ def _rows():
 def test_bench_batched_decode(benchmark, checkpoints, tmp_path_factory, h2d_gbps, device_rates, monkeypatch, model,
                               budget):
     """``resident-mma``: a mixture's bf16 experts through the tensor-core kernels (``moe.experts_mma.MMA``), resident, in
-    the same run as the SIMT kernels' row."""
+    the same run as the SIMT kernels' row. ``streamed-graph``: a mixture's batch steps at its streamed budget with
+    their expert gathers in rounds on the device, captured (``BATCH_GATHER_IN_GRAPH``), beside the eager row."""
     from vmmstream.model import make_checkpoint
     if budget == "resident-mma":
         from vmmstream.kernels.moe import experts_mma as experts
         monkeypatch.setattr(experts, "MMA", True)
+    if budget == "streamed-graph":
+        from vmmstream.execution import experts as experts_mod
+        monkeypatch.setattr(experts_mod, "BATCH_GATHER_IN_GRAPH", True)
     if model not in checkpoints:
         checkpoints[model] = make_checkpoint(model, tmp_path_factory.mktemp(model), seed=0)
     b = "80%" if budget.startswith("resident") else STREAMED.get(model, 2 * GiB)
@@ -150,7 +154,8 @@ def test_bench_batched_decode(benchmark, checkpoints, tmp_path_factory, h2d_gbps
         r["speedup_vs_b1"] = r["aggregate_tok_s"] / base
         r["decode_speedup_vs_b1"] = r["decode_aggregate_tok_s"] / dbase
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
-    benchmark.extra_info.update(model=model, budget=budget if budget.startswith("resident") else f"{b / GiB:g}GiB",
+    benchmark.extra_info.update(model=model, budget=budget if budget.startswith("resident")
+                                else f"{b / GiB:g}GiB" + budget[len("streamed"):],
                                 strategy=strategy, streamed_bytes_per_step=streamed,
                                 pinned_h2d_GBps=h2d_gbps, **device_rates, rows=rows)
     print(f"\n{model} {budget} ({strategy}): {json.dumps(rows)}")

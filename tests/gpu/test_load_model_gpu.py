@@ -225,13 +225,16 @@ def test_batched_decode_of_eight_or_more_on_tensor_cores(driver, tmp_path):
             assert got[:k] == want, strategy
 
 
+@pytest.mark.parametrize("in_graph", [False, True], ids=["host_rounds", "rounds_in_graph"])
 @pytest.mark.parametrize("arch,seed", [("mixtral", 8), ("qwen2-moe", 7)])
-def test_batched_decode_of_a_mixture_of_experts_on_cuda(driver, tmp_path, arch, seed):
+def test_batched_decode_of_a_mixture_of_experts_on_cuda(driver, tmp_path, monkeypatch, arch, seed, in_graph):
     """max_batch 3, five prompts: resident experts (the pool stack, steps as graphs) and at half the weights (experts
-    gathered on demand; a batch's steps run host-driven rounds over the slots, eagerly): each sequence's tokens
-    equal its own alone."""
+    gathered on demand; a batch's steps run host-driven rounds over the slots, eagerly, or with
+    ``BATCH_GATHER_IN_GRAPH`` rounds decided on the device, as graphs): each sequence's tokens equal its own alone."""
+    from vmmstream.execution import experts as experts_mod
     from vmmstream.loading import plan_walked
     from vmmstream.model import open_checkpoint
+    monkeypatch.setattr(experts_mod, "BATCH_GATHER_IN_GRAPH", in_graph)
     _hf(arch, seed, tmp_path)
     prompts = [PROMPT, [3, 4], list(range(10, 31)), [7] * 9, [100, 17, 5]]
     news = [12, 5, 9, 12, 7]
@@ -245,7 +248,7 @@ def test_batched_decode_of_a_mixture_of_experts_on_cuda(driver, tmp_path, arch, 
                 assert (m.plan.experts.slots > 0) == on_demand
                 alone = [m.generate(p, k, eos_token_id=[]) for p, k in zip(prompts, news)]
                 together = m.generate(prompts, max(news), eos_token_id=[])
-                assert (m.stats()["batch_graph_replays"] > 0) != on_demand
+                assert (m.stats()["batch_graph_replays"] > 0) == (not on_demand or in_graph)
         finally:
             mem.close()
         for got, want, k in zip(together, alone, news):

@@ -17,7 +17,7 @@ from vmmstream.execution.ops import CudaOps, HostOps
 # the adapter's launch methods: every one takes the stream first
 LAUNCHES = ("embedding", "rmsnorm", "gemv", "gemm", "gemv_multi", "gemv_gate_up_silu", "rope", "rope_kv_append",
             "kv_append", "attn_prefill", "attn_decode", "silu_mul", "argmax", "sample", "advance", "moe_route",
-            "fill_zero", "expert_gather", "moe_ffn", "moe_combine", "moe_experts_prefill")
+            "fill_zero", "expert_gather", "expert_gather_round", "moe_ffn", "moe_combine", "moe_experts_prefill")
 
 
 class SimCudaOps(CudaOps):

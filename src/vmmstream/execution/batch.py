@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CapacityError, ContextLengthError, VmmstreamError
+from . import experts as experts_mod
 
 
 class Sequence:
@@ -352,7 +353,7 @@ class BatchDecoder:
         e, kv, key = self.e, self.kv, (n, sampled)
         g = e.batch_graphs.get(key)
         ex = e.weights.experts if e.weights is not None else None
-        if ex is not None and ex.on_demand and e.ops.backend != "host":
+        if ex is not None and ex.on_demand and e.ops.backend != "host" and not experts_mod.BATCH_GATHER_IN_GRAPH:
             e.batch_graphs[key] = None   # experts streamed on demand: host-driven rounds, so the steps run eagerly
         if g is None and key in e.batch_seen:
             from ..errors import DriverError

@@ -13,6 +13,12 @@ import numpy as np
 from ..align import align_up
 
 
+# A batch's decode step with experts on demand: True = its gathers run in rounds on the device (``moe.gather
+# .gather_round``), so the step is captured and replayed like any other; False = host-driven rounds, eagerly (the
+# way prefill runs them). Off until measured on a GPU (``bench/test_bench_batch.py``'s ``streamed-graph`` row).
+BATCH_GATHER_IN_GRAPH = False
+
+
 class Experts:
     """Routed experts as units (gate | up | down, each part 256-byte aligned, ``U`` bytes): one ``pool`` block
     of R resident units and one ``slots`` block of k gather slots, so each is a stack ``[n, U]`` the expert

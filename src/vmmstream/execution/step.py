@@ -28,6 +28,7 @@ import numpy as np
 
 from ..align import align_up
 from ..errors import VmmstreamError
+from . import experts as experts_mod
 
 
 class Activations:
@@ -354,14 +355,21 @@ class Step:
             o.moe_experts(S, ex, layer, a.xn, a.topk_ids, a.topk_w, a.eg, a.moe_acc, decode)
             o.moe_finish(S, a.moe_acc, a.proj, shared, sgate)
             return
-        # CUDA: decode gathers the routed units into the slots inside the graph; prefill, and a batch's decode step
-        # (its tokens may route to more experts than there are slots), run host-driven rounds over the slots
+        # CUDA: decode gathers the routed units into the slots inside the graph; a batch's decode step (its tokens
+        # may route to more experts than there are slots) in rounds decided on the device where
+        # BATCH_GATHER_IN_GRAPH, else host-driven rounds over the slots, like prefill
+        n = a.xn.shape[0]
         if not ex.on_demand:
             o.moe_ffn(S, ex.stack("pool", layer), a.topk_ids, a.xn, a.moe_y3, self._moe_ws(decode),
                       c.num_experts)
-        elif decode and a.xn.shape[0] == 1:
+        elif decode and n == 1:
             o.expert_gather(S, ex, layer, a.topk_ids, a.moe_mapped)
             o.moe_ffn(S, ex.stack("slots"), a.moe_mapped, a.xn, a.moe_y3, self._moe_ws(decode), ex.n_slots)
+        elif decode and experts_mod.BATCH_GATHER_IN_GRAPH:
+            from vmmstream.kernels.moe.gather import rounds
+            for r in range(rounds(n, c.num_experts_per_tok, c.num_experts, ex.n_slots)):
+                o.expert_gather_round(S, ex, layer, a.topk_ids, a.moe_mapped, r)
+                o.moe_ffn(S, ex.stack("slots"), a.moe_mapped, a.xn, a.moe_y3, self._moe_ws(decode), ex.n_slots)
         else:
             o.moe_experts_prefill(S, ex, layer, a.xn, a.topk_ids, a.moe_mapped, a.moe_y3, self._moe_ws(decode))
         o.moe_combine(S, a.moe_y3, a.topk_w, a.proj, shared, sgate)
