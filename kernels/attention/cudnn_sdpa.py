@@ -34,14 +34,16 @@ from __future__ import annotations
 
 import threading
 
+from vmmstream.kernels.base.env import switch
 from vmmstream.kernels.base.launch import capturing as _capturing, data_ptr, stream_handle as _stream_handle
 from vmmstream.kernels.base.workspace import Lifetime, WorkspaceRequirement, check_view
 
 CAPTURE_SAFE = True       # once a shape's graph exists: no allocation, no synchronize (checked by a captured replay)
 WORKSPACE = 1 << 20       # cuDNN asked for 256 bytes at every shape measured; the rest is headroom
 _LENS = 256               # the workspace's last bytes: a padded graph's two lengths (int32), set on the stream
-PADDED = False            # one graph per length bucket (``bucket``), cuDNN's padding mask giving the real lengths:
-                          # off until checked on a GPU (exactness, and that rows past the lengths are not used)
+# one graph per length bucket (``bucket``), cuDNN's padding mask giving the real lengths: off until checked on a
+# GPU (exactness, and that rows past the lengths are not used); VMMSTREAM_CUDNN_BUCKETS=1 turns it on
+PADDED = switch("VMMSTREAM_CUDNN_BUCKETS", False)
 _GRAPHS_MAX = 256         # graphs kept; past that a new shape runs our kernel (a kept graph is never destroyed
                           # while the process runs: one evicted could still have launches in flight)
 _SPAN_MAX = 1 << 31       # elements an operand may span: 32-bit offsets in cuDNN's kernels are not ruled out

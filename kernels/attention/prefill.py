@@ -25,13 +25,13 @@ Routes (``choose_route`` picks one, ``route=`` overrides):
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 from numba import cuda, float32, float64, int64, uint32
 
 from vmmstream.kernels.base import launch as la, mma as mh
 from vmmstream.kernels.base.dtypes import bf16_to_f32, dev_bf16_to_f32, dev_f32_to_bf16
+from vmmstream.kernels.base.env import switch
 from vmmstream.kernels.base.workspace import NONE, Lifetime, WorkspaceRequirement, check_view, layout
 
 FUSED, FUSED_MMA, FUSED_MMA_ASYNC, MATERIALIZED = "fused", "fused_mma", "fused_mma_async", "materialized"
@@ -84,12 +84,7 @@ def cudnn_min_prompt() -> int:
 def _prefer_cudnn() -> bool:
     # opt-in: checked on an H100 in kernels and in a model's walk (run 12-07 l), and faster for a length seen
     # before, but each new prompt length builds a graph (40-70 ms), which a server's varied prompts would pay
-    v = os.environ.get("VMMSTREAM_CUDNN", "").strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("", "0", "false", "no", "off"):
-        return False
-    raise ValueError(f"VMMSTREAM_CUDNN={v!r}: expected 1/true/yes/on or 0/false/no/off")
+    return switch("VMMSTREAM_CUDNN", False)
 
 
 PREFER_CUDNN = _prefer_cudnn()

@@ -93,4 +93,9 @@ CUDNN = Variable(
     "1 = prefill attention of long prompts (2,048 tokens, or as much work after a cached prefix) through cuDNN's fused SDPA where "
     "nvidia-cudnn-frontend is installed (pip install 'vmmstream[cudnn]'); 0 (default) = our tensor-core kernel")
 
-ALL = (LEGACY_ALLOCATOR, BUDGET, BACKEND, KERNEL_CACHE, CACHE_DIR, CUBLASLT, CUDNN)
+CUDNN_BUCKETS = Variable(
+    "VMMSTREAM_CUDNN_BUCKETS", _parse_bool, False,
+    "with VMMSTREAM_CUDNN=1: one cuDNN graph per bucket of prompt lengths (at most 1/8 more rows, the real lengths "
+    "given by cuDNN's padding mask) instead of one per length; off (default) until checked on a GPU")
+
+ALL = (LEGACY_ALLOCATOR, BUDGET, BACKEND, KERNEL_CACHE, CACHE_DIR, CUBLASLT, CUDNN, CUDNN_BUCKETS)

@@ -81,39 +81,58 @@ def test_backend_and_budget_are_validated():
         BUDGET.get({"VMMSTREAM_BUDGET": "lots"})
 
 
-@pytest.mark.parametrize("raw,expected", [(None, True), ("", True), ("1", True), ("ON", True), ("0", False),
-                                          ("off", False), ("no", False)])
-def test_cublaslt_is_the_default_and_only_known_words_switch_it(monkeypatch, raw, expected):
-    from vmmstream.config import CUBLASLT
+def _in_a_fresh_interpreter(module: str, attr: str):
+    """``module.attr`` as a fresh interpreter sees it under this environment (read once, at import)."""
+    import os
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", f"import {module} as m; print(m.{attr})"], capture_output=True,
+                       text=True, env=dict(os.environ))
+    if r.returncode:
+        raise ValueError(r.stderr.strip().splitlines()[-1])
+    return {"True": True, "False": False}[r.stdout.strip()]
+
+
+def _cublaslt():
     from vmmstream.kernels.matmul.dense import gemm
-    if raw is None:
-        monkeypatch.delenv("VMMSTREAM_CUBLASLT", raising=False)
-    else:
-        monkeypatch.setenv("VMMSTREAM_CUBLASLT", raw)
-    assert gemm._prefer_cublaslt() is expected
-    assert CUBLASLT.get({} if raw is None else {"VMMSTREAM_CUBLASLT": raw}) is expected
+    return gemm._prefer_cublaslt()
 
 
-@pytest.mark.parametrize("raw,expected", [(None, False), ("", False), ("yes", True), ("1", True), ("0", False),
-                                          ("OFF", False)])
-def test_cudnn_attention_is_opt_in_and_only_known_words_switch_it(monkeypatch, raw, expected):
-    from vmmstream.config import CUDNN
+def _cudnn():
     from vmmstream.kernels.attention import prefill
+    return prefill._prefer_cudnn()
+
+
+def _cudnn_buckets():
+    return _in_a_fresh_interpreter("vmmstream.kernels.attention.cudnn_sdpa", "PADDED")
+
+
+SWITCHES = {"VMMSTREAM_CUBLASLT": (True, _cublaslt), "VMMSTREAM_CUDNN": (False, _cudnn),
+            "VMMSTREAM_CUDNN_BUCKETS": (False, _cudnn_buckets)}
+
+
+@pytest.mark.parametrize("name", list(SWITCHES))
+@pytest.mark.parametrize("raw", [None, "", "1", "ON", "yes", "0", "off", "No"])
+def test_kernel_switches_take_only_known_words(monkeypatch, name, raw):
+    """cuBLASLt is on unless switched off; cuDNN's attention and its length buckets are opt-in. The kernels and
+    ``vmmstream.config`` (``vmmstream env``) read each switch the same way, and a typo is an error."""
+    from vmmstream import config
+    default, read = SWITCHES[name]
+    expected = default if raw is None or not raw.strip() else raw.strip().lower() in ("1", "on", "yes")
     if raw is None:
-        monkeypatch.delenv("VMMSTREAM_CUDNN", raising=False)
+        monkeypatch.delenv(name, raising=False)
     else:
-        monkeypatch.setenv("VMMSTREAM_CUDNN", raw)
-    assert prefill._prefer_cudnn() is expected
-    assert CUDNN.get({} if raw is None else {"VMMSTREAM_CUDNN": raw}) is expected
-    if raw is not None and raw.strip():
-        monkeypatch.setenv("VMMSTREAM_CUDNN", raw[:-1] + "x")      # a typo is an error, not a silent switch
-        with pytest.raises(ValueError, match="VMMSTREAM_CUDNN"):
-            prefill._prefer_cudnn()
+        monkeypatch.setenv(name, raw)
+    assert read() is expected
+    var = next(v for v in config.ALL if v.name == name)
+    assert var.get({} if raw is None else {name: raw}) is expected
+    if raw and name != "VMMSTREAM_CUDNN_BUCKETS":          # (one fresh interpreter for the typo is enough)
+        monkeypatch.setenv(name, raw[:-1] + "x")
+        with pytest.raises(ValueError, match=name):
+            read()
 
 
-@pytest.mark.parametrize("raw", ["of", "disable"])
-def test_cublaslt_typo_is_an_error_not_a_silent_switch(monkeypatch, raw):
-    from vmmstream.kernels.matmul.dense import gemm
-    monkeypatch.setenv("VMMSTREAM_CUBLASLT", raw)
-    with pytest.raises(ValueError, match="VMMSTREAM_CUBLASLT"):
-        gemm._prefer_cublaslt()
+def test_a_cudnn_buckets_typo_is_an_error_not_a_silent_switch(monkeypatch):
+    monkeypatch.setenv("VMMSTREAM_CUDNN_BUCKETS", "onn")
+    with pytest.raises(ValueError, match="VMMSTREAM_CUDNN_BUCKETS"):
+        _cudnn_buckets()

@@ -13,11 +13,11 @@ Output is bf16 (uint16) or fp32, whatever ``out`` is.
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 from numba import config, cuda
 from vmmstream.kernels.base.dtypes import bf16_to_f32, dev_bf16_to_f32, dev_f32_to_bf16
+from vmmstream.kernels.base.env import switch
 from vmmstream.kernels.base.jit import jit
 from vmmstream.kernels.base.launch import as_stream, cdiv, check_workspace
 from vmmstream.kernels.base.workspace import NONE
@@ -106,12 +106,7 @@ CUBLASLT = "cublaslt"
 # keeps our kernel. On the H100 it runs at torch.matmul's rate (682 / 799 TFLOP/s at M = 512 / 4096), ours at 113 /
 # 125 (bench/test_bench_dense_kernels.py -k gemm_prefill).
 def _prefer_cublaslt() -> bool:
-    v = os.environ.get("VMMSTREAM_CUBLASLT", "").strip().lower()
-    if v in ("", "1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"VMMSTREAM_CUBLASLT={v!r}: expected 1/true/yes/on or 0/false/no/off")
+    return switch("VMMSTREAM_CUBLASLT", True)
 
 
 PREFER_CUBLASLT = _prefer_cublaslt()
