@@ -88,13 +88,9 @@ else:
         return sig, codegen
 
 
-def _gather(ids, loc, pool, host, slots, mapped, counts, stats, unit):
-    # ids, mapped: [1, k] int32; loc: [E] int32; pool: [R, U] u8 (R >= 1); host: [E, U] u8 (host-mapped);
-    # slots: [S, U] u8 (S >= k); counts: [E] int64; stats: [3] int64. grid: (ceil(unit / CHUNK), k)
-    c, j = cuda.blockIdx.x, cuda.blockIdx.y
-    tid = cuda.threadIdx.x
-    e = ids[0, j]
-    r = loc[e]
+@cuda.jit(device=True, inline="always")
+def _copy_chunk(pool, host, slots, r, e, j, c, tid, unit):
+    """Chunk c of expert e's unit into slot j: from pool row r where resident (r >= 0), else from the host copy."""
     lo = c * CHUNK
     hi = min(lo + CHUNK, unit)
     for off in range(lo + 16 * tid, hi, 16 * THREADS):
@@ -103,14 +99,30 @@ def _gather(ids, loc, pool, host, slots, mapped, counts, stats, unit):
         else:
             w0, w1, w2, w3 = _ld16(host, e, off)
         _st16(slots, j, off, w0, w1, w2, w3)
+
+
+@cuda.jit(device=True, inline="always")
+def _count(counts, stats, e, routed, r, unit):
+    """Expert e's routed pairs, and its unit's copy: a hit (from the pool) or a miss (its bytes over PCIe)."""
+    cuda.atomic.add(counts, e, routed)
+    if r >= 0:
+        cuda.atomic.add(stats, HITS, 1)
+    else:
+        cuda.atomic.add(stats, MISSES, 1)
+        cuda.atomic.add(stats, BYTES, unit)
+
+
+def _gather(ids, loc, pool, host, slots, mapped, counts, stats, unit):
+    # ids, mapped: [1, k] int32; loc: [E] int32; pool: [R, U] u8 (R >= 1); host: [E, U] u8 (host-mapped);
+    # slots: [S, U] u8 (S >= k); counts: [E] int64; stats: [3] int64. grid: (ceil(unit / CHUNK), k)
+    c, j = cuda.blockIdx.x, cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    e = ids[0, j]
+    r = loc[e]
+    _copy_chunk(pool, host, slots, r, e, j, c, tid, unit)
     if c == 0 and tid == 0:
         mapped[0, j] = j
-        cuda.atomic.add(counts, e, 1)
-        if r >= 0:
-            cuda.atomic.add(stats, HITS, 1)
-        else:
-            cuda.atomic.add(stats, MISSES, 1)
-            cuda.atomic.add(stats, BYTES, unit)
+        _count(counts, stats, e, 1, r, unit)
 
 
 _kernel = jit(_gather)
@@ -155,25 +167,13 @@ def _gather_round(ids, loc, pool, host, slots, mapped, counts, stats, unit, rnd)
     if e < 0:
         return
     r = loc[e]
-    lo = c * CHUNK
-    hi = min(lo + CHUNK, unit)
-    for off in range(lo + 16 * tid, hi, 16 * THREADS):
-        if r >= 0:
-            w0, w1, w2, w3 = _ld16(pool, r, off)
-        else:
-            w0, w1, w2, w3 = _ld16(host, e, off)
-        _st16(slots, j, off, w0, w1, w2, w3)
+    _copy_chunk(pool, host, slots, r, e, j, c, tid, unit)
     if c == 0 and tid == 0:
         routed = 0
         for p in range(n * k):
             if ids[p // k, p % k] == e:
                 routed += 1
-        cuda.atomic.add(counts, e, routed)
-        if r >= 0:
-            cuda.atomic.add(stats, HITS, 1)
-        else:
-            cuda.atomic.add(stats, MISSES, 1)
-            cuda.atomic.add(stats, BYTES, unit)
+        _count(counts, stats, e, routed, r, unit)
 
 
 _round_kernel = jit(_gather_round)

@@ -374,21 +374,24 @@ class CudaOps:
         """Decode: the routed experts' units into the slots, from the pool or the pinned host copy."""
         from vmmstream.kernels.moe import gather as expert_gather
         self.launches += 1
+        pool, host, slots = self._unit_views(ex, layer)
+        expert_gather.gather(topk_ids, ex.loc_dev[layer], pool, host, slots, mapped, ex.counts_dev[layer],
+                             ex.stats_dev, stream=self._s(s))
+
+    def _unit_views(self, ex, layer):
+        """The gathers' byte views: the pool's units [R, U] (the slots where none is resident: never read), this
+        layer's host copies [E, U] and the slots [S, U]."""
         E, U = ex.ep.per_layer, ex.U
         host = self.view(ex.host_base + layer * E * U, (E, U), np.uint8)
         slots = self.view(ex.slot_block.va, (ex.n_slots, U), np.uint8)
         pool = self.view(ex.pool_block.va, (ex.n_pool, U), np.uint8) if ex.n_pool else slots
-        expert_gather.gather(topk_ids, ex.loc_dev[layer], pool, host, slots, mapped, ex.counts_dev[layer],
-                             ex.stats_dev, stream=self._s(s))
+        return pool, host, slots
 
     def expert_gather_round(self, s, ex, layer, topk_ids, mapped, rnd):
         """A batch's decode: round ``rnd`` of its routed experts' units into the slots (``gather.gather_round``)."""
         from vmmstream.kernels.moe import gather as expert_gather
         self.launches += 1
-        E, U = ex.ep.per_layer, ex.U
-        host = self.view(ex.host_base + layer * E * U, (E, U), np.uint8)
-        slots = self.view(ex.slot_block.va, (ex.n_slots, U), np.uint8)
-        pool = self.view(ex.pool_block.va, (ex.n_pool, U), np.uint8) if ex.n_pool else slots
+        pool, host, slots = self._unit_views(ex, layer)
         expert_gather.gather_round(topk_ids, ex.loc_dev[layer], pool, host, slots, mapped, ex.counts_dev[layer],
                                    ex.stats_dev, rnd, stream=self._s(s))
 
